@@ -1,0 +1,549 @@
+"""`ep_plugin.Buffer`: a drop-in for DeepEP V1's `deep_ep.Buffer`.
+
+Switching from DeepEP is a change of import. Names, arguments, defaults, return tuples and
+semantics follow DeepEP V1; what ep_plugin adds is keyword-only (`config=`) or a classmethod
+(`Buffer.from_config`). docs/design.md spells out the semantics the backends implement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import validation as V
+from .backends import select_backend
+from .backends.base import Backend, GroupInfo
+from .config import EpConfig, as_config
+from .environment import apply_environment
+from .event import EventHandle, EventOverlap
+from .topology import resolve_ranks_per_node
+from .tuning import Config, default_combine_config, default_dispatch_config
+from .tuning import get_low_latency_rdma_size_hint as _ll_size_hint
+
+logger = logging.getLogger("ep_plugin")
+
+XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class Buffer:
+    """Communication buffers for expert-parallel dispatch and combine.
+
+    Normal mode (training, prefill): `get_dispatch_layout`, `dispatch`, `combine`.
+    Low-latency mode (decode): `low_latency_dispatch`, `low_latency_combine`.
+
+    Attributes:
+        num_sms: SMs used by normal-mode kernels (class-wide, as in DeepEP; `set_num_sms`).
+        rank, group_size, group: this rank, the number of ranks, the process group.
+        num_nvl_bytes, num_rdma_bytes: buffer sizes.
+        backend_name: 'native' or 'reference', the backend serving this buffer.
+    """
+
+    num_sms: int = EpConfig().num_sms
+    _num_sms_set_explicitly: bool = False
+
+    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *,
+                 config: Union[None, str, dict, EpConfig] = None) -> None:
+        """Create the buffers (a collective: every rank of `group` must call it).
+
+        Arguments:
+            group: the expert-parallel process group (NCCL or gloo; only used for set-up and by
+                the reference backend).
+            num_nvl_bytes: NVLink buffer bytes for normal mode (see `Config.get_nvl_buffer_size_hint`).
+            num_rdma_bytes: symmetric (NVSHMEM) buffer bytes for internode or low-latency mode
+                (see `get_low_latency_rdma_size_hint`).
+            low_latency_mode: enable the low-latency kernels.
+            num_qps_per_rank: RDMA queue pairs per peer (network transports).
+            allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink where peers share it.
+            allow_mnnvl: allow multi-node NVLink.
+            explicitly_destroy: resources are released only by `destroy()`, not by the destructor.
+            config: ep_plugin's YAML config (an `EpConfig`, a path or a mapping); by default
+                `$EP_PLUGIN_CONFIG` or the built-in defaults. It supplies what DeepEP's arguments do
+                not: backend, transport, SMs, timeouts, tuning and environment.
+        """
+        settings = as_config(config)
+        self._settings = settings.replace(low_latency=dataclasses.replace(
+            settings.low_latency, num_qps_per_rank=num_qps_per_rank,
+            allow_nvlink=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl))
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not Buffer._num_sms_set_explicitly:
+            Buffer.num_sms = settings.num_sms
+        logging.getLogger("ep_plugin").setLevel(settings.log_level.upper())
+        apply_environment(self._settings, low_latency_mode=low_latency_mode)
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy = explicitly_destroy
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        ranks_per_node = resolve_ranks_per_node(group, settings.topology.ranks_per_node)
+        self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,
+                               ranks_per_node=ranks_per_node, device=device)
+        self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
+                                                          num_rdma_bytes, self.low_latency_mode)
+        self.backend_name = self._backend.name
+
+    @classmethod
+    def from_config(cls, group: dist.ProcessGroup, cfg: Union[None, str, dict, EpConfig] = None,
+                    explicitly_destroy: bool = False) -> "Buffer":
+        """Create a buffer whose mode and sizes come from ep_plugin's YAML config.
+
+        Sizes set to `auto` are computed from `buffer.max_hidden` and, in low-latency mode, from
+        `low_latency.max_dispatch_tokens_per_rank` and `low_latency.num_experts`.
+        """
+        settings = as_config(cfg)
+        num_ranks = dist.get_world_size(group)
+        low_latency = settings.mode == "low_latency"
+        num_nvl_bytes, num_rdma_bytes = settings.buffer.num_nvl_bytes, settings.buffer.num_rdma_bytes
+        hidden_bytes = settings.buffer.max_hidden * 2
+        if num_nvl_bytes == "auto":
+            num_nvl_bytes = 0 if low_latency else max(
+                cls._dispatch_config_for(settings, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+                cls._combine_config_for(settings, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+        if num_rdma_bytes == "auto":
+            if low_latency:
+                ll = settings.low_latency
+                num_rdma_bytes = _ll_size_hint(ll.max_dispatch_tokens_per_rank, settings.buffer.max_hidden,
+                                               num_ranks, ll.num_experts)
+            else:
+                num_rdma_bytes = max(
+                    cls._dispatch_config_for(settings, num_ranks).get_rdma_buffer_size_hint(hidden_bytes, num_ranks),
+                    cls._combine_config_for(settings, num_ranks).get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+        ll = settings.low_latency
+        return cls(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=low_latency,
+                   num_qps_per_rank=ll.num_qps_per_rank, allow_nvlink_for_low_latency_mode=ll.allow_nvlink,
+                   allow_mnnvl=ll.allow_mnnvl, explicitly_destroy=explicitly_destroy, config=settings)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the buffers (requires `explicitly_destroy=True`, as in DeepEP)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs the buffer to be created with explicitly_destroy=True")
+        self._release()
+
+    def _release(self) -> None:
+        if self._backend is not None:
+            self._backend.destroy()
+            self._backend = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True):
+            try:
+                self._release()
+            except Exception:  # noqa: BLE001 - never raise from a destructor
+                pass
+
+    def _live_backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("this Buffer has been destroyed")
+        return self._backend
+
+    # ---- class-wide tuning (DeepEP API) ------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs used by normal-mode kernels (even: one sender and one receiver per channel)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2 != 0:
+            raise ValueError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+        Buffer._num_sms_set_explicitly = True
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Symmetric-buffer bytes that low-latency mode needs for these sizes."""
+        return _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Recommended dispatch tuning for `num_ranks` (any count) with `Buffer.num_sms` SMs."""
+        return default_dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Recommended combine tuning for `num_ranks` (any count) with `Buffer.num_sms` SMs."""
+        return default_combine_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def _tuned(base: Config, section) -> Config:
+        return Config(base.num_sms,
+                      section.nvl_chunked_send_tokens or base.num_max_nvl_chunked_send_tokens,
+                      section.nvl_chunked_recv_tokens or base.num_max_nvl_chunked_recv_tokens,
+                      section.rdma_chunked_send_tokens or base.num_max_rdma_chunked_send_tokens,
+                      section.rdma_chunked_recv_tokens or base.num_max_rdma_chunked_recv_tokens)
+
+    @classmethod
+    def _dispatch_config_for(cls, settings: EpConfig, num_ranks: int) -> Config:
+        num_sms = cls.num_sms if cls._num_sms_set_explicitly else settings.num_sms
+        return cls._tuned(default_dispatch_config(num_sms, num_ranks), settings.dispatch)
+
+    @classmethod
+    def _combine_config_for(cls, settings: EpConfig, num_ranks: int) -> Config:
+        num_sms = cls.num_sms if cls._num_sms_set_explicitly else settings.num_sms
+        return cls._tuned(default_combine_config(num_sms, num_ranks), settings.combine)
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        """The stream communication kernels run on (None on CPU)."""
+        return self._comm_stream
+
+    # ---- stream and event plumbing -------------------------------------------------------------
+    def _run(self, fn: Callable[[], tuple], inputs: List, previous_event: Optional[EventOverlap],
+             async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[tuple, EventOverlap]:
+        """Run `fn` on the communication stream with DeepEP's event semantics.
+
+        The communication stream first waits for `previous_event` (or the current stream). Without
+        `async_finish` the current stream waits for the result; with it, the returned event marks
+        completion and every tensor involved is kept alive until then.
+        """
+        if self._comm_stream is None:
+            return fn(), EventOverlap(None)
+        compute_stream = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.stream_wait(self._comm_stream)
+        else:
+            self._comm_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self._comm_stream):
+            outputs = fn()
+        capturing = V.is_capturing()
+        output_tensors = V.flatten_tensors(outputs)
+        if not allocate_on_comm_stream and not capturing:
+            for tensor in output_tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(compute_stream)
+        if async_finish:
+            if not capturing:
+                for tensor in V.flatten_tensors(inputs):
+                    if tensor.is_cuda:
+                        tensor.record_stream(self._comm_stream)
+            return outputs, EventOverlap(EventHandle(self._comm_stream), V.flatten_tensors(inputs) + output_tensors)
+        compute_stream.wait_stream(self._comm_stream)
+        return outputs, EventOverlap(None)
+
+    def _device(self) -> torch.device:
+        return self._info.device
+
+    # ---- normal mode -------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Count what each rank and expert will receive.
+
+        Arguments:
+            topk_idx: `[T, K]` int64, the experts each token selects; `-1` = not routed.
+            num_experts: total experts, divisible by the number of ranks (expert `e` lives on rank
+                `e // (num_experts // num_ranks)`).
+
+        Returns:
+            num_tokens_per_rank: `[R]` int32, tokens sent to each rank (a token counts once per rank).
+            num_tokens_per_rdma_rank: `[num_nodes]` int32 tokens per node, or None inside one node.
+            num_tokens_per_expert: `[E]` int32, tokens per expert.
+            is_token_in_rank: `[T, R]` bool, whether token t goes to rank r.
+            event: completion event (meaningful with `async_finish`).
+        """
+        backend = self._live_backend()
+        V.check_num_experts(num_experts, self.group_size)
+        V.check_topk("topk_idx", topk_idx, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0,
+                     self._device())
+        if self._settings.check_inputs:
+            V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        outputs, event = self._run(lambda: backend.get_dispatch_layout(topk_idx.contiguous(), num_experts),
+                                   [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
+        return (*outputs, event)
+
+    def dispatch(self, x: XType, handle: Optional[object] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send every token to each rank that holds one of its experts (once per rank).
+
+        Arguments:
+            x: `[T, H]` bf16, or a tuple `(fp8_e4m3fn [T, H], float32 scales [T, S])` (S = H / 128
+                for 128-channel blocks; the scales travel with their token). Rows must be a
+                multiple of 16 bytes.
+            handle: a handle from an earlier `dispatch`; reuses its layout (cached dispatch, e.g.
+                in the backward pass). Then `topk_idx` and `topk_weights` must be None.
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
+                the outputs of `get_dispatch_layout` (required without `handle`).
+            topk_idx: `[T, K]` int64 (required without `handle`).
+            topk_weights: `[T, K]` float32, optional.
+            expert_alignment: each entry of `num_recv_tokens_per_expert_list` is rounded up to a
+                multiple of this.
+            num_worst_tokens: if > 0, outputs have exactly this many rows and the host never waits
+                for the received count (CUDA-graph capturable); rows past the received tokens are
+                padding, with `-1` in `recv_topk_idx`. Must be >= the tokens this rank receives.
+            config: tuning (`Buffer.get_dispatch_config` by default).
+            previous_event, async_finish, allocate_on_comm_stream: stream control, as in DeepEP.
+
+        Returns:
+            recv_x: received tokens like `x` (tensor or tuple), ordered by source rank, then by
+                source token index.
+            recv_topk_idx: `[N, K]` int64 ids of this rank's local experts (`e - rank * E_local`),
+                `-1` where the expert lives elsewhere or the token was not routed (None if cached).
+            recv_topk_weights: `[N, K]` float32, 0 where `recv_topk_idx` is -1 (None if cached or
+                no weights were given).
+            num_recv_tokens_per_expert_list: list of E_local ints, tokens per local expert rounded
+                up to `expert_alignment`; empty with `num_worst_tokens > 0`; None if cached.
+            handle: the layout, for `combine` and cached dispatch.
+            event: completion event (meaningful with `async_finish`).
+        """
+        backend = self._live_backend()
+        device = self._device()
+        data, scales = V.split_x(x, device)
+        is_tuple = isinstance(x, (tuple, list))
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        self._check_config(config)
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
+            self._check_handle(handle)
+            if data.size(0) != backend.handle_num_tokens(handle):
+                raise ValueError(f"x has {data.size(0)} tokens but the handle was made for "
+                                 f"{backend.handle_num_tokens(handle)}")
+            outputs, event = self._run(lambda: backend.cached_dispatch(data, scales, handle, config),
+                                       [data, scales], previous_event, async_finish, allocate_on_comm_stream)
+            recv_x, recv_scales = outputs
+            return (recv_x, recv_scales) if is_tuple else recv_x, None, None, None, None, event
+
+        num_tokens = data.size(0)
+        R = self.group_size
+        if topk_idx is None or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without a handle needs topk_idx, num_tokens_per_rank, is_token_in_rank and "
+                             "num_tokens_per_expert (from get_dispatch_layout)")
+        V.check_topk("topk_idx", topk_idx, num_tokens, device)
+        if topk_weights is not None:
+            V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+        V.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), 1, device, (R,))
+        V.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), 2, device, (num_tokens, R))
+        V.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), 1, device)
+        num_experts = num_tokens_per_expert.size(0)
+        V.check_num_experts(num_experts, R)
+        if self._settings.check_inputs:
+            V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        if num_worst_tokens > 0 and not self._info.is_intranode:
+            raise ValueError("num_worst_tokens > 0 is supported inside one NVLink domain only (as in DeepEP)")
+        if num_worst_tokens == 0 and V.is_capturing():
+            raise RuntimeError("dispatch under CUDA-graph capture needs num_worst_tokens > 0 "
+                               "(otherwise the host must wait for the received-token count)")
+        inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert]
+        outputs, event = self._run(
+            lambda: backend.dispatch(data, scales, topk_idx.contiguous(),
+                                     None if topk_weights is None else topk_weights.contiguous(),
+                                     num_tokens_per_rank, is_token_in_rank.contiguous(), num_tokens_per_expert,
+                                     expert_alignment, num_worst_tokens, config),
+            inputs, previous_event, async_finish, allocate_on_comm_stream)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, new_handle = outputs
+        return ((recv_x, recv_scales) if is_tuple else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
+                new_handle, event)
+
+    def combine(self, x: torch.Tensor, handle: object, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Send every received row back to its source and sum the copies of each token.
+
+        Arguments:
+            x: `[N, H]` bf16, one row per row that `dispatch` returned (N includes padding rows
+                when `num_worst_tokens` was used; padding rows are ignored).
+            handle: from `dispatch`.
+            topk_weights: `[N, K]` float32, optional; summed the same way.
+            bias: None, or one or two `[T, H]` bf16 tensors added to the result.
+            config: tuning (`Buffer.get_combine_config` by default).
+
+        Returns:
+            combined_x: `[T, H]` bf16, for each token the fp32 sum over the ranks it was sent to
+                (no weighting), plus the biases; zeros (plus bias) for tokens sent nowhere.
+            combined_topk_weights: `[T, K]` float32 summed the same way, or None.
+            event: completion event (meaningful with `async_finish`).
+        """
+        backend = self._live_backend()
+        device = self._device()
+        self._check_handle(handle)
+        num_rows = backend.handle_num_recv_rows(handle)
+        V.check_tensor("x", x, (torch.bfloat16,), 2, device, (num_rows, None))
+        V.check_row_bytes("x", x)
+        if topk_weights is not None:
+            V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, (num_rows, None))
+            if not 1 <= topk_weights.size(1) <= V.MAX_TOPK:
+                raise ValueError(f"topk_weights: top-k must be in [1, {V.MAX_TOPK}], got {topk_weights.size(1)}")
+        num_tokens = backend.handle_num_tokens(handle)
+        bias_0, bias_1 = V.unpack_bias(bias, num_tokens, x.size(1), device)
+        config = self.get_combine_config(self.group_size) if config is None else config
+        self._check_config(config)
+        x = x.contiguous()
+        topk_weights = None if topk_weights is None else topk_weights.contiguous()
+        outputs, event = self._run(lambda: backend.combine(x, handle, topk_weights, bias_0, bias_1, config),
+                                   [x, topk_weights, bias_0, bias_1], previous_event, async_finish,
+                                   allocate_on_comm_stream)
+        combined_x, combined_weights = outputs
+        return combined_x, combined_weights, event
+
+    def _check_handle(self, handle: object) -> None:
+        owner = getattr(handle, "owner", None)
+        if owner is not self._backend:
+            raise ValueError("handle does not come from this Buffer's dispatch "
+                             f"(got {type(handle).__name__})")
+
+    def _check_config(self, config: Config) -> None:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be an ep_plugin.Config, got {type(config).__name__}")
+
+    # ---- low-latency mode --------------------------------------------------------------------
+    def _require_low_latency(self) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency kernels need a Buffer created with low_latency_mode=True")
+
+    def _check_low_latency_size(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        needed = _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        if self._backend.name == "native" and self.num_rdma_bytes < needed:
+            raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
+                             f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
+                             f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset low-latency state (needed after normal-mode kernels used the same buffer)."""
+        self._require_low_latency()
+        self._live_backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each (token, selected expert) pair into that expert's slot on its rank.
+
+        Arguments:
+            x: `[T, H]` bf16, T <= `num_max_dispatch_tokens_per_rank`, rows a multiple of 16 bytes.
+            topk_idx: `[T, K]` int64 expert ids, `-1` = not routed.
+            num_max_dispatch_tokens_per_rank: T_max, identical on all ranks.
+            num_experts: total experts, divisible by the number of ranks.
+            cumulative_local_expert_recv_stats: `[E_local]` int32, incremented by the tokens each
+                local expert receives.
+            dispatch_wait_recv_cost_stats: not supported (DeepEP's per-peer wait-time statistics);
+                must be None.
+            use_fp8: cast to FP8 e4m3 in flight with one scale per 128-channel block (the last
+                block may be partial). round_scale: round scales up to powers of two.
+                use_ue8m0: pack the (power-of-two) scales as UE8M0 bytes, four per int32.
+            async_finish, return_recv_hook: with the hook, the call only sends; calling
+                `hook()` completes the receive.
+
+        Returns:
+            recv_x: bf16 `[E_local, R * T_max, H]`, or with FP8 a tuple of the fp8 tensor and its
+                scales: float32 `[E_local, R * T_max, ceil(H / 128)]`, or with UE8M0 int32
+                `[E_local, R * T_max, ceil(ceil(H / 128) / 4)]`; the scales' last two dimensions
+                are column-major (as DeepEP lays them out for TMA). Slots of expert e hold its
+                tokens ordered by source rank, then source token index.
+            recv_count: `[E_local]` int32 valid slots per local expert.
+            handle: for `low_latency_combine`.
+            event: completion event (with `async_finish`).
+            hook: a callable that completes the receive (with `return_recv_hook`), else None.
+        """
+        self._require_low_latency()
+        backend = self._live_backend()
+        device = self._device()
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("dispatch_wait_recv_cost_stats is not supported by ep_plugin; pass None")
+        V.check_tensor("x", x, (torch.bfloat16,), 2, device)
+        V.check_row_bytes("x", x)
+        V.check_topk("topk_idx", topk_idx, x.size(0), device)
+        V.check_num_experts(num_experts, self.group_size)
+        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
+                             f"{num_max_dispatch_tokens_per_rank!r}")
+        if x.size(0) > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {x.size(0)} tokens, more than num_max_dispatch_tokens_per_rank = "
+                             f"{num_max_dispatch_tokens_per_rank}")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0=True needs use_fp8=True")
+        if cumulative_local_expert_recv_stats is not None:
+            V.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                           (torch.int32,), 1, device, (num_experts // self.group_size,))
+        self._check_low_latency_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        if self._settings.check_inputs:
+            V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        outputs, event = self._run(
+            lambda: backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                 cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                                                 use_ue8m0, return_recv_hook),
+            [x, topk_idx, cumulative_local_expert_recv_stats], None, async_finish, False)
+        recv_x, recv_count, handle, hook = outputs
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: object, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Return expert outputs to their tokens and reduce them with the top-k weights.
+
+        Arguments:
+            x: `[E_local, R * T_max, H]` bf16 expert outputs, in the slots `low_latency_dispatch`
+                filled (with `zero_copy`, the tensor from `get_next_low_latency_combine_buffer`).
+            topk_idx: `[T, K]` int64, the ids given to the matching dispatch.
+            topk_weights: `[T, K]` float32 weights.
+            handle: from `low_latency_dispatch`.
+            use_logfmt: not supported (must be False).
+            out: optional `[T, H]` bf16 output written in place.
+
+        Returns:
+            combined_x: `[T, H]` bf16, `sum_k topk_weights[t, k] * expert_k(x_t)` in fp32.
+            event: completion event (with `async_finish`).
+            hook: a callable completing the receive (with `return_recv_hook`), else None.
+        """
+        self._require_low_latency()
+        backend = self._live_backend()
+        device = self._device()
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt=True (DeepEP's LogFMT combine) is not supported by ep_plugin")
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError("combine_wait_recv_cost_stats is not supported by ep_plugin; pass None")
+        self._check_handle(handle)
+        V.check_tensor("x", x, (torch.bfloat16,), 3, device, tuple(handle.recv_shape))
+        V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
+        V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+        if out is not None:
+            V.check_tensor("out", out, (torch.bfloat16,), 2, device, (handle.num_tokens, x.size(2)))
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        outputs, event = self._run(
+            lambda: backend.low_latency_combine(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
+                                                handle, zero_copy, return_recv_hook, out),
+            [x, topk_idx, topk_weights, out], None, async_finish, False)
+        combined_x, hook = outputs
+        return combined_x, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
+        self._require_low_latency()
+        self._check_handle(handle)
+        return self._live_backend().get_next_low_latency_combine_buffer(handle)

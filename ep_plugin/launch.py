@@ -1,0 +1,97 @@
+"""`parallel_launch`: run a function on N spawned ranks (gloo on CPU, NCCL on GPUs).
+
+Used by the tests and by `ep-plugin bench`. Each rank's return value comes back to the caller; an
+exception on any rank is re-raised in the caller with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# ep_plugin never uses NVLink multicast (NVLS); keep it off in every process we start.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when every rank can have its own GPU, else gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+               fn: Callable, args: tuple, results) -> None:
+    for name, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        value = fn(rank, world_size, dist.group.WORLD, *args)
+        results.put((rank, True, value))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional[str] = None,
+                    timeout_s: float = 300.0) -> List[Any]:
+    """Run `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
+
+    `fn` must be importable (module level) and its arguments and result picklable. Returns the
+    results ordered by rank; raises RuntimeError with the first failing rank's traceback.
+    """
+    backend = backend or default_backend(world_size)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main,
+                                 args=(rank, world_size, port, backend, timeout_s, fn, args, results))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    collected = {}
+    failures = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout_s + 60)
+            if ok:
+                collected[rank] = value
+            else:
+                failures.append(value)
+                break
+    except Exception as error:  # queue.Empty: a rank died or hung
+        failures.append(f"no result from some ranks within {timeout_s + 60:.0f} s ({type(error).__name__}); "
+                        f"exit codes: {[p.exitcode for p in processes]}")
+    finally:
+        for process in processes:
+            process.join(timeout=5 if failures else timeout_s)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+    if failures:
+        raise RuntimeError(failures[0])
+    return [collected[rank] for rank in range(world_size)]

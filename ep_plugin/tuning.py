@@ -1,0 +1,140 @@
+"""DeepEP-compatible performance `Config` and the buffer-size formulas of the native kernels.
+
+The formulas mirror `csrc/kernels/buffer_layout.cuh` (the single source of truth for how the native
+kernels carve their buffers); `tests/test_native_layout.py` checks that both agree wherever the
+extension is importable (CI builds it).
+"""
+from __future__ import annotations
+
+import math
+
+# Limits shared with csrc/kernels/buffer_layout.cuh.
+NUM_MAX_NVL_PEERS = 8          # ranks of one NVLink domain handled by the intranode kernels
+MAX_CHANNELS = 64              # channels = num_sms / 2
+MAX_TOPK = 32                  # top-k carried per token
+MAX_LOCAL_EXPERTS = 1024       # experts per rank reported by the notify step
+WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring each
+SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
+NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
+
+# Low-latency mode: one message per (token, expert) = 16-byte header + payload.
+LL_MSG_HEADER_BYTES = 16
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def slots_per_sub_ring(num_max_nvl_chunked_recv_tokens: int) -> int:
+    """Ring slots of one sender/receiver warp pair: the channel's receive budget split over warps."""
+    return max(2, math.ceil(num_max_nvl_chunked_recv_tokens / WARPS_PER_CHANNEL))
+
+
+def nvl_slot_bytes(payload_bytes: int) -> int:
+    return SLOT_META_BYTES + _align(payload_bytes, 16)
+
+
+class Config:
+    """Tuning of one normal-mode operation, same constructor and methods as DeepEP's `Config`.
+
+    Arguments:
+        num_sms: SMs the kernel may use (even: one sender and one receiver block per channel).
+        num_max_nvl_chunked_send_tokens: tokens a sender publishes at once (kept for DeepEP
+            compatibility; the native kernels publish every token).
+        num_max_nvl_chunked_recv_tokens: ring capacity per (channel, peer) in tokens.
+        num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the
+            network leg of internode mode.
+    """
+
+    def __init__(self, num_sms: int = 20,
+                 num_max_nvl_chunked_send_tokens: int = 6, num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6, num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = dict(num_sms=num_sms,
+                      num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+        if num_sms % 2 != 0:
+            raise ValueError(f"Config.num_sms must be even (one sender and one receiver SM per channel), got {num_sms}")
+        if num_sms // 2 > MAX_CHANNELS:
+            raise ValueError(f"Config.num_sms must be at most {2 * MAX_CHANNELS}, got {num_sms}")
+        if num_max_nvl_chunked_send_tokens > num_max_nvl_chunked_recv_tokens:
+            raise ValueError("Config.num_max_nvl_chunked_send_tokens must not exceed num_max_nvl_chunked_recv_tokens")
+        if num_max_rdma_chunked_send_tokens > num_max_rdma_chunked_recv_tokens:
+            raise ValueError("Config.num_max_rdma_chunked_send_tokens must not exceed num_max_rdma_chunked_recv_tokens")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer the native normal-mode kernels need for rows of `hidden_bytes`.
+
+        `hidden_bytes` is the largest payload per token, as DeepEP users compute it:
+        `hidden * max(x.element_size(), 2)` (FP8 rows plus their scales fit in that).
+        """
+        num_nvl_peers = min(num_ranks, NUM_MAX_NVL_PEERS)
+        rings = (num_nvl_peers - 1) * self.num_channels * WARPS_PER_CHANNEL
+        slots = slots_per_sub_ring(self.num_max_nvl_chunked_recv_tokens)
+        return NVL_HEADER_BYTES + rings * slots * nvl_slot_bytes(hidden_bytes)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA (NVSHMEM) buffer for internode normal mode; 0 inside one NVLink domain."""
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        num_rdma_ranks = math.ceil(num_ranks / NUM_MAX_NVL_PEERS)
+        per_token = nvl_slot_bytes(hidden_bytes)
+        # Send and receive rings per (channel, RDMA peer).
+        return 2 * self.num_channels * num_rdma_ranks * self.num_max_rdma_chunked_recv_tokens * per_token
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+
+def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:
+    """Recommended dispatch tuning for any rank count (no closed table)."""
+    if num_ranks <= NUM_MAX_NVL_PEERS:
+        return Config(num_sms, 8, 64, 6, 128)
+    return Config(num_sms, 8, 64, 16, 256)
+
+
+def default_combine_config(num_sms: int, num_ranks: int) -> Config:
+    """Recommended combine tuning for any rank count (no closed table)."""
+    if num_ranks <= NUM_MAX_NVL_PEERS:
+        return Config(num_sms, 8, 64, 6, 128)
+    return Config(num_sms, 8, 64, 16, 256)
+
+
+def low_latency_msg_bytes(hidden: int) -> int:
+    """One low-latency message: header + BF16 row (FP8 row + scales is never larger)."""
+    return LL_MSG_HEADER_BYTES + _align(hidden * 2, 16)
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                   num_ranks: int, num_experts: int) -> int:
+    """Symmetric-buffer bytes for low-latency mode (two rounds in flight, as DeepEP allows).
+
+    Per round: a send area of `T_max` messages, a receive area of `num_local_experts * num_ranks *
+    T_max` messages (dispatch) that the combine of the same round reuses for its `num_ranks * T_max`
+    returned rows, and one signal word per (local expert, source rank).
+    """
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+    num_local_experts = num_experts // num_ranks
+    msg = low_latency_msg_bytes(hidden)
+    send = num_max_dispatch_tokens_per_rank * msg
+    recv = num_local_experts * num_ranks * num_max_dispatch_tokens_per_rank * msg
+    signals = _align(num_local_experts * num_ranks * 8, 128)
+    per_round = _align(send, 128) + _align(recv, 128) + signals
+    return 2 * per_round

@@ -1,0 +1,111 @@
+"""Argument checks shared by every backend: each raises before any kernel runs, naming the argument."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from .tuning import MAX_TOPK
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
+                 device: Optional[torch.device] = None, shape: Optional[Sequence[Optional[int]]] = None) -> None:
+    """Type, dtype, rank, device and (partial) shape of one tensor argument."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}, got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, tensor.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name} must have size {want} in dimension {axis}, got shape {tuple(tensor.shape)}")
+
+
+def check_row_bytes(name: str, tensor: torch.Tensor) -> None:
+    row_bytes = tensor.size(-1) * tensor.element_size()
+    if row_bytes % 16 != 0:
+        raise ValueError(f"{name}: rows must be a multiple of 16 bytes (hidden {tensor.size(-1)} x "
+                         f"{tensor.element_size()} B = {row_bytes} B)")
+
+
+def check_topk(name: str, topk_idx: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+    check_tensor(name, topk_idx, (torch.int64,), 2, device, (num_tokens, None))
+    if topk_idx.size(1) < 1 or topk_idx.size(1) > MAX_TOPK:
+        raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {topk_idx.size(1)}")
+
+
+def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids must be -1 (not routed) or in [0, num_experts). One host sync; skipped under capture."""
+    if topk_idx.numel() == 0 or is_capturing():
+        return
+    low, high = (int(v) for v in torch.aminmax(topk_idx))
+    if low >= -1 and high < num_experts:
+        return
+    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
+    value = int(topk_idx[bad[0], bad[1]])
+    raise ValueError(f"{name}[{bad[0]}, {bad[1]}] = {value} is not an expert id: expected -1 or a value in "
+                     f"[0, {num_experts})")
+
+
+def check_num_experts(num_experts: int, num_ranks: int) -> None:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
+
+
+def split_x(x, device: torch.device, name: str = "x") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Accept a bf16 [T, H] tensor or an (fp8 [T, H], float32 scales [T, S]) tuple."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{name} as a tuple must be (fp8 tensor, float32 scales), got {len(x)} items")
+        data, scales = x
+        check_tensor(f"{name}[0]", data, (FP8_DTYPE,), 2, device)
+        check_tensor(f"{name}[1]", scales, (torch.float32,), 2, device, (data.size(0), None))
+        if scales.size(1) < 1:
+            raise ValueError(f"{name}[1] must have at least one scale per token")
+        check_row_bytes(f"{name}[0]", data)
+        return data.contiguous(), scales.contiguous()
+    check_tensor(name, x, (torch.bfloat16,), 2, device)
+    check_row_bytes(name, x)
+    return x.contiguous(), None
+
+
+def unpack_bias(bias, num_tokens: int, hidden: int, device: torch.device
+                ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`bias` is None, one tensor, or a tuple of two, each [T, H] bf16."""
+    if bias is None:
+        return None, None
+    items = bias if isinstance(bias, (tuple, list)) else (bias,)
+    if len(items) > 2:
+        raise ValueError(f"bias must be one tensor or a tuple of two, got {len(items)}")
+    checked = []
+    for i, item in enumerate(items):
+        if item is None:
+            checked.append(None)
+            continue
+        check_tensor(f"bias[{i}]", item, (torch.bfloat16,), 2, device, (num_tokens, hidden))
+        checked.append(item.contiguous())
+    checked += [None] * (2 - len(checked))
+    return checked[0], checked[1]
+
+
+def flatten_tensors(values: Iterable) -> list:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(flatten_tensors(value))
+    return out
