@@ -132,17 +132,17 @@ class Buffer:
         """Release the buffers (requires `explicitly_destroy=True`, as in DeepEP)."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs the buffer to be created with explicitly_destroy=True")
-        self._release()
+        self._release(collective=True)
 
-    def _release(self) -> None:
+    def _release(self, collective: bool) -> None:
         if self._backend is not None:
-            self._backend.destroy()
+            self._backend.destroy(collective)
             self._backend = None
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True):
             try:
-                self._release()
+                self._release(collective=False)
             except Exception:  # noqa: BLE001 - never raise from a destructor
                 pass
 

@@ -121,5 +121,9 @@ class Backend(abc.ABC):
                                  num_experts: int) -> None:
         """Reset the state low-latency kernels rely on (after normal-mode use of the same buffer)."""
 
-    def destroy(self) -> None:
-        """Release device resources; the backend is unusable afterwards."""
+    def destroy(self, collective: bool = True) -> None:
+        """Release device resources; the backend is unusable afterwards.
+
+        `collective`: every rank is destroying its buffer now, so the backend may synchronise the
+        group first (False from a destructor, where a barrier could hang).
+        """

@@ -1,0 +1,80 @@
+// Memory-model primitives used by the kernels. Peer buffers are mapped over NVLink, so flags use
+// system scope; bulk data uses 16-byte vector accesses.
+#pragma once
+
+#include <cstdint>
+
+namespace ep_plugin {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* ptr) {
+  uint32_t value;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+// Read-only input that no one writes during the kernel (user tensors): skip L1 allocation.
+__device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+// Ring-buffer data written by a peer during this kernel: read through L2 only (never a stale L1 line).
+__device__ __forceinline__ int4 ld_cg_v4(const int4* ptr) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_cg_s32(const int* ptr) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float ld_cg_f32(const float* ptr) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Streaming store (local or peer memory): no L1 allocation.
+__device__ __forceinline__ void st_na_v4(int4* ptr, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
+
+template <typename T>
+__device__ __forceinline__ T shfl(T value, int src_lane) {
+  return __shfl_sync(0xffffffffu, value, src_lane);
+}
+
+__device__ __forceinline__ void* shfl_ptr(void* ptr, int src_lane) {
+  return reinterpret_cast<void*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(ptr), src_lane));
+}
+
+}  // namespace ep_plugin

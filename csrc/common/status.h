@@ -1,0 +1,49 @@
+// What the device tells the host: notify results and error reports, in mapped pinned memory.
+// Host-safe (no device code): included by the binding and the runtime.
+#pragma once
+
+#include <cstdint>
+
+namespace ep_plugin {
+
+constexpr int kMaxNvlPeers = 8;
+constexpr int kMaxLocalExperts = 1024;
+
+enum ErrorCode : int32_t {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrBadExpertId = 2,
+  kErrTooManyRecvTokens = 3,
+};
+
+enum OpCode : int32_t { kOpNotify = 1, kOpDispatch = 2, kOpCombine = 3, kOpLayout = 4 };
+
+enum WaitKind : int32_t {
+  kWaitBarrier = 1,    // notify: a peer has not written its counts
+  kWaitFreeSlot = 2,   // sender: the peer has not consumed the ring
+  kWaitData = 3,       // receiver: the peer has not sent the next token
+  kWaitDrain = 4,      // sender: the peer has not consumed the last tokens
+};
+
+struct DeviceStatus {
+  // First error report (written once, by the thread that claims the error word in device memory).
+  volatile int32_t error_code;
+  volatile int32_t error_op;
+  volatile int32_t error_wait_kind;
+  volatile int32_t error_rank;
+  volatile int32_t error_peer;
+  volatile int32_t error_channel;
+  volatile int32_t error_warp;
+  volatile int32_t reserved;
+  volatile int64_t error_expected;
+  volatile int64_t error_observed;
+  // Notify results for the host (non-graph dispatch); `notify_tag` is written last.
+  volatile int32_t notify_tag;
+  volatile int32_t num_recv_tokens;
+  volatile int32_t bad_input_rank;   // -1, or the rank whose input was rejected
+  volatile int32_t bad_input_code;
+  volatile int64_t bad_input_detail[3];
+  volatile int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
+};
+
+}  // namespace ep_plugin

@@ -1,0 +1,86 @@
+// Every kernel family: one Args struct, one launch(const Args&, cudaStream_t). Framework-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/status.h"
+
+namespace ep_plugin {
+
+// ---- get_dispatch_layout (layout.cu) ------------------------------------------------------------
+struct LayoutArgs {
+  const int64_t* topk_idx;          // [T, K]
+  int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
+  int32_t* num_tokens_per_rank;     // [R], zeroed by the launcher
+  int32_t* num_tokens_per_node;     // [num_nodes] or nullptr
+  int32_t* num_tokens_per_expert;   // [E], zeroed by the launcher
+  bool* is_token_in_rank;           // [T, R], zeroed by the launcher
+};
+void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream);
+
+namespace intranode {
+
+// ---- notify (intranode_notify.cu) ---------------------------------------------------------------
+struct NotifyArgs {
+  void* const* peer_buffers;        // device array [R]: every rank's NVLink buffer, mapped here
+  int rank, num_ranks;
+  const bool* is_token_in_rank;     // [T, R]
+  const int32_t* num_tokens_per_expert;  // [E]
+  const int64_t* topk_idx;          // [T, K], checked for out-of-range ids
+  int num_tokens, num_topk, num_experts, expert_alignment, num_worst_tokens;
+  int32_t* send_pos;                // [T, R]: row of token t on rank r, or -1
+  int32_t* recv_rank_offsets;       // [R + 1]: first row of each source rank's block
+  int32_t* src_num_tokens;          // [R]: T of every rank
+  int32_t* num_recv_tokens;         // [1]
+  DeviceStatus* status;             // mapped host memory
+  int32_t host_tag;                 // > 0: publish results to `status` with this tag; 0: graph mode
+  uint64_t timeout_ns;
+};
+void launch_notify(const NotifyArgs& args, cudaStream_t stream);
+
+// ---- dispatch (intranode_dispatch.cu) -----------------------------------------------------------
+struct DispatchArgs {
+  void* const* peer_buffers;
+  int rank, num_ranks, num_channels, recv_tokens_per_channel;
+  int num_tokens, row_bytes, num_scales, num_topk, num_local_experts;
+  const void* x;                    // [T, row_bytes]
+  const float* x_scales;            // [T, num_scales] or nullptr
+  const int64_t* topk_idx;          // [T, K] or nullptr (cached dispatch)
+  const float* topk_weights;        // [T, K] or nullptr
+  const int32_t* send_pos;          // [T, R]
+  void* recv_x;                     // [rows, row_bytes]
+  float* recv_x_scales;             // [rows, num_scales] or nullptr
+  int64_t* recv_topk_idx;           // [rows, K] or nullptr
+  float* recv_topk_weights;         // [rows, K] or nullptr
+  int32_t* recv_src_idx;            // [rows] or nullptr
+  int num_worst_tokens;             // > 0: rows past *num_recv_tokens are padding
+  const int32_t* num_recv_tokens;   // [1]
+  DeviceStatus* status;
+  uint64_t timeout_ns;
+};
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+
+// ---- combine (intranode_combine.cu) -------------------------------------------------------------
+struct CombineArgs {
+  void* const* peer_buffers;
+  int rank, num_ranks, num_channels, recv_tokens_per_channel;
+  int num_tokens, hidden, num_topk;
+  const void* x;                    // [rows, hidden] bf16: rows received by the dispatch
+  const float* topk_weights;        // [rows, K] or nullptr
+  const int32_t* recv_src_idx;      // [rows]
+  const int32_t* recv_rank_offsets; // [R + 1]
+  const int32_t* src_num_tokens;    // [R]
+  const int32_t* send_pos;          // [T, R]
+  const void* bias_0;               // [T, hidden] bf16 or nullptr
+  const void* bias_1;
+  void* combined_x;                 // [T, hidden] bf16
+  float* combined_topk_weights;     // [T, K] or nullptr
+  DeviceStatus* status;
+  uint64_t timeout_ns;
+};
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+}  // namespace intranode
+}  // namespace ep_plugin

@@ -1,0 +1,112 @@
+// How a rank's NVLink buffer is carved. The single source of truth for the native kernels; the
+// Python size hints (ep_plugin/tuning.py) mirror it and a test keeps the two equal.
+//
+// [ Header (kHeaderBytes) | rings written by peer 0 | ... by peer R-2 ]
+// Rings: for each writing peer, channel and warp one sub-ring of `slots` slots; a slot is
+// [ SlotMeta (272 B) | payload: row bytes, then float scales ].
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "../common/status.h"
+
+namespace ep_plugin::intranode {
+
+constexpr int kMaxChannels = 64;
+constexpr int kMaxTopk = 32;
+constexpr int kWarpsPerChannel = 16;
+constexpr int kThreadsPerBlock = kWarpsPerChannel * 32;
+constexpr int64_t kHeaderBytes = 1 << 20;
+
+struct SlotMeta {
+  int32_t row;        // destination row in recv_x
+  int32_t src_token;  // source token index
+  int32_t topk_idx[kMaxTopk];
+  float topk_weights[kMaxTopk];
+  int32_t pad[2];
+};
+constexpr int kSlotMetaBytes = sizeof(SlotMeta);
+static_assert(kSlotMetaBytes == 272, "SlotMeta must stay 272 bytes (mirrored in ep_plugin/tuning.py)");
+
+// What each rank writes into every peer's header during notify.
+struct NotifyBlock {
+  int32_t bad_input_code;  // ErrorCode of this rank's input check
+  int32_t num_tokens;      // T of the writer
+  int64_t bad_input_detail[3];
+  int32_t tokens_to_rank[kMaxNvlPeers];       // writer's token count for every rank
+  int32_t expert_counts[kMaxLocalExperts];    // writer's (token, expert) entries for the reader's experts
+};
+
+// Counters are epoch-tagged so that no kernel ever has to reset them:
+// bits 63..32 = operation epoch, bit 31 = done (sender finished), bits 30..0 = count.
+struct Header {
+  uint64_t notify_signal[kMaxNvlPeers];                            // [src]: src's notify epoch
+  uint64_t tails[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [src][c][w]: written by src
+  uint64_t heads[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [dst][c][w]: written by dst
+  NotifyBlock notify[2][kMaxNvlPeers];                             // [epoch parity][src]
+  // Local state, touched only by this rank's kernels.
+  uint32_t notify_epoch;
+  uint32_t op_epoch;
+  uint32_t blocks_done;
+  int32_t error_claim;
+};
+static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
+
+__host__ __device__ constexpr int64_t align16(int64_t value) { return (value + 15) / 16 * 16; }
+
+__host__ __device__ constexpr int slots_per_sub_ring(int recv_tokens_per_channel) {
+  int slots = (recv_tokens_per_channel + kWarpsPerChannel - 1) / kWarpsPerChannel;
+  return slots < 2 ? 2 : slots;
+}
+
+__host__ __device__ constexpr int64_t slot_bytes_for(int64_t payload_bytes) {
+  return kSlotMetaBytes + align16(payload_bytes);
+}
+
+__host__ __device__ constexpr uint64_t pack_counter(uint32_t epoch, uint32_t count, bool done) {
+  return (static_cast<uint64_t>(epoch) << 32) | (done ? 0x80000000ull : 0ull) | (count & 0x7fffffffu);
+}
+__host__ __device__ constexpr uint32_t counter_epoch(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+__host__ __device__ constexpr uint32_t counter_count(uint64_t word) { return static_cast<uint32_t>(word) & 0x7fffffffu; }
+__host__ __device__ constexpr bool counter_done(uint64_t word) { return (word & 0x80000000ull) != 0; }
+
+// Tokens of one channel: contiguous chunks of ceil(T / C).
+__host__ __device__ inline void channel_token_range(int num_tokens, int num_channels, int channel, int& begin,
+                                                    int& end) {
+  int chunk = (num_tokens + num_channels - 1) / num_channels;
+  begin = channel * chunk < num_tokens ? channel * chunk : num_tokens;
+  end = begin + chunk < num_tokens ? begin + chunk : num_tokens;
+}
+
+struct RingLayout {
+  int num_ranks;
+  int num_channels;
+  int slots;
+  int64_t slot_bytes;
+
+  __host__ __device__ int64_t ring_bytes() const { return slots * slot_bytes; }
+
+  __host__ __device__ int64_t total_bytes() const {
+    return kHeaderBytes + static_cast<int64_t>(num_ranks - 1) * num_channels * kWarpsPerChannel * ring_bytes();
+  }
+
+  // The sub-ring in `owner`'s buffer that `writer` fills for (channel, warp).
+  __host__ __device__ int64_t ring_offset(int owner, int writer, int channel, int warp) const {
+    int peer_index = writer < owner ? writer : writer - 1;
+    return kHeaderBytes +
+           ((static_cast<int64_t>(peer_index) * num_channels + channel) * kWarpsPerChannel + warp) * ring_bytes();
+  }
+};
+
+// Bytes a buffer needs for `payload_bytes` per token (Config.get_nvl_buffer_size_hint).
+__host__ __device__ inline int64_t nvl_buffer_size_hint(int64_t payload_bytes, int num_ranks, int num_sms,
+                                                        int recv_tokens_per_channel) {
+  int num_nvl_ranks = num_ranks < kMaxNvlPeers ? num_ranks : kMaxNvlPeers;
+  RingLayout layout{num_nvl_ranks, num_sms / 2, slots_per_sub_ring(recv_tokens_per_channel),
+                    slot_bytes_for(payload_bytes)};
+  return layout.total_bytes();
+}
+
+}  // namespace ep_plugin::intranode

@@ -1,0 +1,255 @@
+// Intranode dispatch: every token goes once to each rank that holds one of its experts.
+//
+// Grid: 2 blocks per channel (even = sender, odd = receiver), kWarpsPerChannel warps each.
+// Channel c owns a contiguous chunk of this rank's tokens; sender warp w takes every
+// kWarpsPerChannel-th token of the chunk. Per destination rank it owns one sub-ring in that rank's
+// buffer, paired with receiver warp w there: the sender writes a slot (metadata + row + scales),
+// then publishes the ring tail; the receiver copies the slot to the row named in its metadata and
+// publishes the ring head back. Tokens for this rank itself skip the ring: the sender writes them
+// straight into recv_x. Rows come from notify's send_pos, so receivers need no ordering.
+#include "../common/exception.cuh"
+#include "api.cuh"
+#include "buffer_layout.cuh"
+#include "intranode_common.cuh"
+
+namespace ep_plugin::intranode {
+namespace {
+
+__device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
+                                int channel, int warp, const WaitSite& site) {
+  const int lane = lane_id();
+  const int R = a.num_ranks;
+  int token_begin, token_end;
+  channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
+
+  // Lane r drives the sub-ring towards rank r.
+  const bool owns_ring = lane < R && lane != a.rank;
+  uint8_t* ring = nullptr;
+  uint64_t* remote_tail = nullptr;
+  const uint64_t* head = nullptr;
+  if (owns_ring) {
+    ring = reinterpret_cast<uint8_t*>(a.peer_buffers[lane]) + layout.ring_offset(lane, a.rank, channel, warp);
+    remote_tail = &header_of(a.peer_buffers, lane)->tails[a.rank][channel][warp];
+    head = &me->heads[lane][channel][warp];
+  }
+  uint32_t sent = 0, consumed = 0;
+  const int payload_scales_offset = a.row_bytes;
+  const int num_units = a.row_bytes / 16;
+
+  for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
+    const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+    const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
+    if (dst_mask == 0) continue;
+
+    // Reserve the next slot of each remote ring (wait while the ring is full).
+    uint8_t* slot = nullptr;
+    if (owns_ring && pos >= 0) {
+      if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
+        Deadline deadline(site);
+        while (true) {
+          const uint64_t word = ld_acquire_sys(head);
+          if (counter_epoch(word) == epoch) consumed = counter_count(word);
+          if (sent - consumed < static_cast<uint32_t>(layout.slots)) break;
+          deadline.check(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed);
+        }
+      }
+      slot = ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes;
+    }
+
+    // Destinations: this rank's recv_x row, and each remote slot's payload.
+    const int self_row = shfl(pos, a.rank);
+    uint8_t* dst[kMaxNvlPeers];
+#pragma unroll
+    for (int r = 0; r < kMaxNvlPeers; ++r) {
+      uint8_t* remote = static_cast<uint8_t*>(shfl_ptr(slot, r < R ? r : 0));
+      dst[r] = nullptr;
+      if (r < R && (dst_mask >> r & 1u))
+        dst[r] = r == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(self_row) * a.row_bytes
+                             : remote + kSlotMetaBytes;
+    }
+    const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
+                                                        static_cast<int64_t>(t) * a.row_bytes);
+    copy_row_to_many(src_row, dst, num_units);
+
+    // Scales follow the row in a slot; for this rank they go to recv_x_scales.
+    for (int i = lane; i < a.num_scales; i += 32) {
+      const float scale = a.x_scales[static_cast<int64_t>(t) * a.num_scales + i];
+#pragma unroll
+      for (int r = 0; r < kMaxNvlPeers; ++r) {
+        if (dst[r] == nullptr) continue;
+        if (r == a.rank) a.recv_x_scales[static_cast<int64_t>(self_row) * a.num_scales + i] = scale;
+        else reinterpret_cast<float*>(dst[r] + payload_scales_offset)[i] = scale;
+      }
+    }
+
+    // Top-k ids become destination-local expert ids (-1 elsewhere); weights follow them.
+    if (a.num_topk > 0 && lane < a.num_topk) {
+      const int64_t expert = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+      const float weight = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxNvlPeers; ++r) {
+        if (dst[r] == nullptr) continue;
+        const int64_t local = expert - static_cast<int64_t>(r) * a.num_local_experts;
+        const int32_t local_id = expert >= 0 && local >= 0 && local < a.num_local_experts ? static_cast<int32_t>(local) : -1;
+        const float local_weight = local_id >= 0 ? weight : 0.f;
+        if (r == a.rank) {
+          a.recv_topk_idx[static_cast<int64_t>(self_row) * a.num_topk + lane] = local_id;
+          if (a.recv_topk_weights != nullptr)
+            a.recv_topk_weights[static_cast<int64_t>(self_row) * a.num_topk + lane] = local_weight;
+        } else {
+          SlotMeta* meta = reinterpret_cast<SlotMeta*>(dst[r] - kSlotMetaBytes);
+          meta->topk_idx[lane] = local_id;
+          meta->topk_weights[lane] = local_weight;
+        }
+      }
+    }
+    if (owns_ring && pos >= 0) {
+      SlotMeta* meta = reinterpret_cast<SlotMeta*>(slot);
+      meta->row = pos;
+      meta->src_token = t;
+    }
+    if (lane == a.rank && pos >= 0 && a.recv_src_idx != nullptr) a.recv_src_idx[pos] = t;
+
+    // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
+    __syncwarp();
+    if (owns_ring && pos >= 0) st_release_sys(remote_tail, pack_counter(epoch, ++sent, false));
+  }
+
+  // Tell each receiver how many tokens this warp sent, then wait until it consumed them all, so
+  // that no peer touches this rank's counters or rings for this epoch after the kernel ends.
+  if (owns_ring) {
+    st_release_sys(remote_tail, pack_counter(epoch, sent, true));
+    Deadline deadline(site);
+    while (true) {
+      const uint64_t word = ld_acquire_sys(head);
+      if (counter_epoch(word) == epoch) consumed = counter_count(word);
+      if (consumed == sent && counter_epoch(word) == epoch) break;
+      deadline.check(kWaitDrain, lane, sent, consumed);
+    }
+  }
+}
+
+__device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot) {
+  const int lane = lane_id();
+  const SlotMeta* meta = reinterpret_cast<const SlotMeta*>(slot);
+  const int row = ld_cg_s32(&meta->row);
+  const int4* payload = reinterpret_cast<const int4*>(slot + kSlotMetaBytes);
+  int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes);
+  copy_row_from_ring(payload, out_row, a.row_bytes / 16);
+  const float* scales = reinterpret_cast<const float*>(slot + kSlotMetaBytes + a.row_bytes);
+  for (int i = lane; i < a.num_scales; i += 32)
+    a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = ld_cg_f32(scales + i);
+  if (a.num_topk > 0 && lane < a.num_topk) {
+    a.recv_topk_idx[static_cast<int64_t>(row) * a.num_topk + lane] = ld_cg_s32(&meta->topk_idx[lane]);
+    if (a.recv_topk_weights != nullptr)
+      a.recv_topk_weights[static_cast<int64_t>(row) * a.num_topk + lane] = ld_cg_f32(&meta->topk_weights[lane]);
+  }
+  if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ld_cg_s32(&meta->src_token);
+}
+
+__device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
+                                  int channel, int warp, const WaitSite& site) {
+  const int lane = lane_id();
+  const int R = a.num_ranks;
+  // Lane s drives the sub-ring that rank s fills.
+  const bool owns_ring = lane < R && lane != a.rank;
+  const uint8_t* ring = nullptr;
+  const uint64_t* tail = nullptr;
+  uint64_t* remote_head = nullptr;
+  if (owns_ring) {
+    ring = reinterpret_cast<const uint8_t*>(a.peer_buffers[a.rank]) + layout.ring_offset(a.rank, lane, channel, warp);
+    tail = &me->tails[lane][channel][warp];
+    remote_head = &header_of(a.peer_buffers, lane)->heads[a.rank][channel][warp];
+  }
+  uint32_t consumed = 0, available = 0;
+  bool finished = !owns_ring, sender_done = false;
+  Deadline deadline(site);
+
+  while (!__all_sync(0xffffffffu, finished)) {
+    if (!finished) {
+      const uint64_t word = ld_acquire_sys(tail);
+      if (counter_epoch(word) == epoch) {
+        available = counter_count(word);
+        sender_done = counter_done(word);
+      }
+    }
+    // NOTE: orders the owners' acquire loads before every lane's reads of the slots.
+    __syncwarp();
+    bool progressed = false;
+    for (int s = 0; s < R; ++s) {
+      if (s == a.rank) continue;
+      const uint32_t begin = shfl(consumed, s), end = shfl(available, s);
+      const uint8_t* src_ring = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(ring), s));
+      for (uint32_t i = begin; i < end; ++i)
+        copy_slot_to_outputs(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
+      progressed |= end != begin;
+    }
+    __syncwarp();
+    if (!finished) {
+      if (available != consumed || sender_done) {
+        consumed = available;
+        st_release_sys(remote_head, pack_counter(epoch, consumed, false));
+        finished = sender_done;
+      }
+    }
+    if (__any_sync(0xffffffffu, progressed)) {
+      deadline.restart();
+    } else if (!finished) {
+      deadline.check(kWaitData, lane, consumed + 1, available);
+    }
+  }
+}
+
+// Rows past the received count are padding when num_worst_tokens > 0: mark them unrouted.
+__device__ void mark_padding_rows(const DispatchArgs& a, int receiver_index, int num_receivers) {
+  if (a.num_worst_tokens == 0) return;
+  const int num_recv = *a.num_recv_tokens;
+  const int64_t first = static_cast<int64_t>(num_recv) * a.num_topk;
+  const int64_t last = static_cast<int64_t>(a.num_worst_tokens) * a.num_topk;
+  const int stride = num_receivers * blockDim.x;
+  for (int64_t i = first + receiver_index * blockDim.x + threadIdx.x; i < last; i += stride) {
+    if (a.recv_topk_idx != nullptr) a.recv_topk_idx[i] = -1;
+    if (a.recv_topk_weights != nullptr) a.recv_topk_weights[i] = 0.f;
+  }
+  if (a.recv_src_idx != nullptr)
+    for (int64_t row = num_recv + receiver_index * blockDim.x + threadIdx.x; row < a.num_worst_tokens; row += stride)
+      a.recv_src_idx[row] = -1;
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
+  Header* me = header_of(args.peer_buffers, args.rank);
+  const uint32_t epoch = me->op_epoch + 1;
+  const int channel = blockIdx.x >> 1;
+  const bool is_sender = (blockIdx.x & 1) == 0;
+  const int warp = threadIdx.x >> 5;
+  const int payload_bytes = args.row_bytes + args.num_scales * static_cast<int>(sizeof(float));
+  const RingLayout layout{args.num_ranks, args.num_channels, slots_per_sub_ring(args.recv_tokens_per_channel),
+                          slot_bytes_for(payload_bytes)};
+  const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank, channel, warp};
+
+  if (is_sender) {
+    dispatch_sender(args, layout, me, epoch, channel, warp, site);
+  } else {
+    mark_padding_rows(args, channel, args.num_channels);
+    dispatch_receiver(args, layout, me, epoch, channel, warp, site);
+  }
+  finish_operation(me, epoch);
+}
+
+}  // namespace
+
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  EP_CHECK_ARG(args.num_ranks >= 1 && args.num_ranks <= kMaxNvlPeers,
+               "intranode kernels support 1 to " << kMaxNvlPeers << " ranks, got " << args.num_ranks);
+  EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+               "channels (num_sms / 2) must be in [1, " << kMaxChannels << "], got " << args.num_channels);
+  EP_CHECK_ARG(args.row_bytes > 0 && args.row_bytes % 16 == 0, "rows must be a multiple of 16 bytes, got "
+                                                                   << args.row_bytes);
+  EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
+  EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
+               "x_scales and num_scales disagree");
+  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ep_plugin::intranode

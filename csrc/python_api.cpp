@@ -1,0 +1,191 @@
+// ep_plugin._C: a thin pybind11 face over the framework-free core.
+//
+// Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends/native.py
+// checks dtypes, shapes and devices and allocates outputs with torch. Here each address is checked
+// for presence and alignment, naming the argument, before anything is launched.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/exception.cuh"
+#include "kernels/api.cuh"
+#include "kernels/buffer_layout.cuh"
+#include "runtime.cuh"
+
+namespace py = pybind11;
+using namespace ep_plugin;
+
+namespace {
+
+template <typename T>
+T* pointer(uintptr_t address, const char* name, bool required = true, int alignment = alignof(T)) {
+  EP_CHECK_ARG(!required || address != 0, name << " is required (got a null address)");
+  EP_CHECK_ARG(address % alignment == 0, name << " must be " << alignment << "-byte aligned");
+  return reinterpret_cast<T*>(address);
+}
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+void get_dispatch_layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                         int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,
+                         uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank, uintptr_t stream) {
+  LayoutArgs args{};
+  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_tokens > 0);
+  args.num_tokens = num_tokens;
+  args.num_topk = num_topk;
+  args.num_experts = num_experts;
+  args.num_ranks = num_ranks;
+  args.ranks_per_node = ranks_per_node;
+  args.num_tokens_per_rank = pointer<int32_t>(num_tokens_per_rank, "num_tokens_per_rank");
+  args.num_tokens_per_node = pointer<int32_t>(num_tokens_per_node, "num_tokens_per_rdma_rank", false);
+  args.num_tokens_per_expert = pointer<int32_t>(num_tokens_per_expert, "num_tokens_per_expert");
+  args.is_token_in_rank = pointer<bool>(is_token_in_rank, "is_token_in_rank", num_tokens > 0);
+  launch_dispatch_layout(args, as_stream(stream));
+}
+
+void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_expert,
+                    uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int expert_alignment,
+                    int num_worst_tokens, uintptr_t send_pos, uintptr_t recv_rank_offsets, uintptr_t src_num_tokens,
+                    uintptr_t num_recv_tokens, int host_tag, uintptr_t stream) {
+  intranode::NotifyArgs args{};
+  args.is_token_in_rank = pointer<const bool>(is_token_in_rank, "is_token_in_rank", num_tokens > 0);
+  args.num_tokens_per_expert = pointer<const int32_t>(num_tokens_per_expert, "num_tokens_per_expert");
+  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_tokens > 0);
+  args.num_tokens = num_tokens;
+  args.num_topk = num_topk;
+  args.num_experts = num_experts;
+  args.expert_alignment = expert_alignment;
+  args.num_worst_tokens = num_worst_tokens;
+  args.send_pos = pointer<int32_t>(send_pos, "send_pos", num_tokens > 0);
+  args.recv_rank_offsets = pointer<int32_t>(recv_rank_offsets, "recv_rank_offsets");
+  args.src_num_tokens = pointer<int32_t>(src_num_tokens, "src_num_tokens");
+  args.num_recv_tokens = pointer<int32_t>(num_recv_tokens, "num_recv_tokens");
+  args.host_tag = host_tag;
+  runtime.notify(args, as_stream(stream));
+}
+
+void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int num_tokens,
+                      int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
+                      uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
+                      uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
+                      uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream) {
+  intranode::DispatchArgs args{};
+  args.num_channels = num_channels;
+  args.recv_tokens_per_channel = recv_tokens_per_channel;
+  args.num_tokens = num_tokens;
+  args.row_bytes = row_bytes;
+  args.num_scales = num_scales;
+  args.num_topk = num_topk;
+  args.num_local_experts = num_local_experts;
+  args.x = pointer<const uint8_t>(x, "x", num_tokens > 0, 16);
+  args.x_scales = pointer<const float>(x_scales, "x_scales", false);
+  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_topk > 0 && num_tokens > 0);
+  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
+  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
+  args.recv_x = pointer<uint8_t>(recv_x, "recv_x", false, 16);
+  args.recv_x_scales = pointer<float>(recv_x_scales, "recv_x_scales", num_scales > 0);
+  args.recv_topk_idx = pointer<int64_t>(recv_topk_idx, "recv_topk_idx", false);
+  args.recv_topk_weights = pointer<float>(recv_topk_weights, "recv_topk_weights", false);
+  args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
+  args.num_worst_tokens = num_worst_tokens;
+  args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
+  EP_CHECK_ARG(num_topk == 0 || recv_topk_idx != 0, "recv_topk_idx is required when top-k ids are dispatched");
+  runtime.dispatch(args, as_stream(stream));
+}
+
+void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int num_tokens,
+                     int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx,
+                     uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t send_pos, uintptr_t bias_0,
+                     uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights, uintptr_t stream) {
+  intranode::CombineArgs args{};
+  args.num_channels = num_channels;
+  args.recv_tokens_per_channel = recv_tokens_per_channel;
+  args.num_tokens = num_tokens;
+  args.hidden = hidden;
+  args.num_topk = num_topk;
+  args.x = pointer<const uint8_t>(x, "x", false, 16);
+  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", num_topk > 0);
+  args.recv_src_idx = pointer<const int32_t>(recv_src_idx, "recv_src_idx", false);
+  args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets");
+  args.src_num_tokens = pointer<const int32_t>(src_num_tokens, "src_num_tokens");
+  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
+  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
+  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
+  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
+  args.combined_topk_weights = pointer<float>(combined_topk_weights, "combined_topk_weights", false);
+  runtime.combine(args, as_stream(stream));
+}
+
+py::tuple runtime_wait_notify(IntranodeRuntime& runtime, int tag, int num_local_experts, uintptr_t stream) {
+  NotifyResult result;
+  {
+    py::gil_scoped_release release;  // other Python threads may run while the host spins
+    result = runtime.wait_notify(tag, num_local_experts, as_stream(stream));
+  }
+  return py::make_tuple(result.num_recv_tokens, result.num_recv_tokens_per_expert);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ep_plugin native kernels (framework-free core; tensors pass as device addresses)";
+
+  py::register_exception<ep_plugin::TimeoutError>(m, "DeviceTimeoutError", PyExc_TimeoutError);
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const ep_plugin::InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.attr("MAX_NVL_PEERS") = kMaxNvlPeers;
+  m.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
+  m.attr("MAX_CHANNELS") = intranode::kMaxChannels;
+  m.attr("MAX_TOPK") = intranode::kMaxTopk;
+  m.attr("WARPS_PER_CHANNEL") = intranode::kWarpsPerChannel;
+  m.attr("SLOT_META_BYTES") = intranode::kSlotMetaBytes;
+  m.attr("NVL_HEADER_BYTES") = intranode::kHeaderBytes;
+
+  m.def("nvl_buffer_size_hint", &intranode::nvl_buffer_size_hint, py::arg("payload_bytes"), py::arg("num_ranks"),
+        py::arg("num_sms"), py::arg("recv_tokens_per_channel"),
+        "Bytes of NVLink buffer for rows of payload_bytes (pure function, no GPU needed).");
+
+  m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
+        py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
+        py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
+        py::arg("stream"));
+
+  py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
+      .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),
+           py::arg("timeout_s"))
+      .def_property_readonly("device", &IntranodeRuntime::device)
+      .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
+      .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })
+      .def("connect", [](IntranodeRuntime& self, const std::vector<py::bytes>& handles) {
+        std::vector<std::string> raw(handles.begin(), handles.end());
+        self.connect(raw);
+      }, py::arg("handles"))
+      .def("destroy", &IntranodeRuntime::destroy)
+      .def("check_device_error", &IntranodeRuntime::check_device_error)
+      .def("notify", &runtime_notify, py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"),
+           py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
+           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
+           py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("num_recv_tokens"), py::arg("host_tag"),
+           py::arg("stream"))
+      .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
+      .def("dispatch", &runtime_dispatch, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
+           py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
+           py::arg("num_local_experts"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
+           py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
+           py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"))
+      .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
+           py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
+           py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
+           py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
+           py::arg("stream"));
+}

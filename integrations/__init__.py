@@ -1,0 +1,1 @@
+"""Framework integrations shipped as `ep_plugin.integrations.*` (source tree: integrations/)."""

@@ -1,0 +1,394 @@
+"""Native intranode kernels against the reference backend (GPU machine; skipped without GPUs).
+
+Every case draws fresh random data. Routing metadata and copied payloads must be bit-identical to the
+reference; combine sums may differ only by fp32 summation order. The caching allocator is poisoned
+before native calls so that rows a kernel forgets to write show up as mismatches.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ep_plugin import Buffer, Config
+from ep_plugin.fp8 import quantize
+from ep_plugin.launch import parallel_launch
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(n: int):
+    return pytest.mark.skipif(NUM_GPUS < n, reason=f"needs {n} CUDA GPUs (runs on the GPU machine)")
+
+
+# ---- helpers (run inside the spawned ranks) ---------------------------------------------------
+def poison_allocator(megabytes: int = 512) -> None:
+    """Fill soon-to-be-reused cached memory with 0x7F bytes (NaN in fp8, huge in bf16/fp32/int)."""
+    block = torch.empty(megabytes << 20, dtype=torch.uint8, device="cuda")
+    block.fill_(0x7F)
+    del block
+
+
+def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 60.0,
+                 check_inputs: bool = True):
+    R = group.size()
+    num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
+    native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
+                    config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
+                            "check_inputs": check_inputs})
+    reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference"})
+    assert native.backend_name == "native" and reference.backend_name == "reference"
+    return native, reference
+
+
+def make_routing(kind: str, T: int, E: int, K: int, R: int, gen: torch.Generator) -> torch.Tensor:
+    E_local = E // R
+    if kind == "random":
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    elif kind == "minus_one":
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=gen) < 0.3] = -1
+    elif kind == "one_rank":  # every token only to rank 0's experts
+        k = min(K, E_local)
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, :k] = torch.rand(T, E_local, generator=gen).topk(k, dim=1).indices
+    elif kind == "one_expert":  # every token to expert 3 only
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, 0] = 3 % E
+    elif kind == "unrouted":
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+    else:
+        raise ValueError(kind)
+    return idx.to(torch.int64)
+
+
+def make_inputs(rank: int, R: int, case: dict, seed: int):
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    T = 0 if case.get("empty_rank") and rank == R - 1 else case["T"]
+    H, K, E = case["H"], case["K"], case["E"]
+    topk_idx = make_routing(case.get("routing", "random"), T, E, K, R, gen).cuda()
+    x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16).cuda()
+    weights = torch.rand(T, K, generator=gen).cuda() if case.get("weights", True) else None
+    payload = quantize(x, round_scale=False, use_ue8m0=False) if case.get("fp8") else x
+    return payload, topk_idx, weights
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn) else t
+
+
+def assert_same(name: str, got, want) -> None:
+    if isinstance(want, tuple):
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(f"{name}[{i}]", g, w)
+        return
+    if want is None:
+        assert got is None, f"{name}: expected None"
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{name}: {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
+    if not torch.equal(bits(got), bits(want)):
+        bad = (bits(got) != bits(want)).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: values differ (first positions {bad})")
+
+
+def rows(x, n: int):
+    return tuple(t[:n] for t in x) if isinstance(x, tuple) else x[:n]
+
+
+def run_case(native: Buffer, reference: Buffer, rank: int, R: int, case: dict, seed: int) -> None:
+    x, topk_idx, weights = make_inputs(rank, R, case, seed)
+    E = case["E"]
+    alignment = case.get("alignment", 1)
+    config = case.get("config")
+    poison_allocator()
+    got_layout = native.get_dispatch_layout(topk_idx, E)
+    want_layout = reference.get_dispatch_layout(topk_idx, E)
+    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
+        assert_same(name, got_layout[i], want_layout[i])
+    assert got_layout[1] is None and want_layout[1] is None
+
+    def dispatch(buf: Buffer, layout, num_worst: int):
+        return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                            num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights,
+                            expert_alignment=alignment, num_worst_tokens=num_worst, config=config)
+
+    num_worst = case.get("num_worst", 0)
+    poison_allocator()
+    got = dispatch(native, got_layout, num_worst)
+    want = dispatch(reference, want_layout, 0)
+    want_x = want[0]
+    n = (want_x[0] if isinstance(want_x, tuple) else want_x).size(0)
+    got_rows = (got[0][0] if isinstance(got[0], tuple) else got[0]).size(0)
+    assert got_rows == (num_worst if num_worst else n), f"rows {got_rows}, received {n}, num_worst {num_worst}"
+    assert_same("recv_x", rows(got[0], n), want_x)
+    assert_same("recv_topk_idx", got[1][:n], want[1])
+    assert_same("recv_topk_weights", None if got[2] is None else got[2][:n], want[2])
+    if num_worst:
+        assert got[3] == [], "num_worst_tokens > 0 returns an empty per-expert list"
+        assert bool((got[1][n:] == -1).all()), "padding rows must have recv_topk_idx == -1"
+    else:
+        assert got[3] == want[3], f"per-expert counts {got[3]} != {want[3]}"
+
+    # Combine: random expert outputs; padding rows hold garbage that must be ignored.
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    expert_out = (torch.randn(got_rows, x[0].size(1) if isinstance(x, tuple) else x.size(1), generator=gen)
+                  .to(torch.bfloat16).cuda())
+    if got_rows > n:
+        expert_out[n:] = float("nan")
+    T = topk_idx.size(0)
+    bias = None
+    if case.get("bias", 0) >= 1:
+        bias = tuple((torch.randn(T, expert_out.size(1), generator=gen)).to(torch.bfloat16).cuda()
+                     for _ in range(case["bias"]))
+        bias = bias[0] if len(bias) == 1 else bias
+    combine_config = case.get("combine_config")
+    poison_allocator()
+    got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
+    want_c = reference.combine(expert_out[:n], want[4], topk_weights=want[2], bias=bias)
+    torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    if weights is None:
+        assert got_c[1] is None and want_c[1] is None
+    else:
+        torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
+
+    # Cached dispatch of new data with the same layout.
+    x2, _, _ = make_inputs(rank, R, case, seed + 99991)
+    poison_allocator()
+    got2 = native.dispatch(x2, handle=got[4], config=config)
+    want2 = reference.dispatch(x2, handle=want[4])
+    assert_same("cached recv_x", rows(got2[0], n), want2[0])
+    assert got2[1:5] == (None, None, None, None)
+
+
+HIDDENS = [2048, 2560, 4096, 5120, 7168, 8192, 1536]
+CASES = (
+    [dict(name=f"hidden{h}", T=384, H=h, K=8, E=64) for h in HIDDENS]
+    + [dict(name=f"fp8_hidden{h}", T=384, H=h, K=8, E=64, fp8=True) for h in (7168, 1536, 2560)]
+    + [dict(name=f"topk{k}", T=300, H=2048, K=k, E=64) for k in (1, 2, 6, 8, 9)]
+    + [dict(name=f"experts{e}", T=300, H=2048, K=min(8, e), E=e) for e in (8, 64, 256)]
+    + [dict(name=f"routing_{r}", T=500, H=4096, K=8, E=64, routing=r)
+       for r in ("minus_one", "one_rank", "one_expert", "unrouted")]
+    + [dict(name="empty_rank", T=256, H=4096, K=8, E=64, empty_rank=True),
+       dict(name="no_weights", T=256, H=4096, K=8, E=64, weights=False),
+       dict(name="alignment128", T=256, H=4096, K=8, E=64, alignment=128),
+       dict(name="bias1", T=256, H=4096, K=8, E=64, bias=1),
+       dict(name="bias2", T=256, H=4096, K=8, E=64, bias=2),
+       dict(name="num_worst", T=256, H=4096, K=8, E=64, num_worst=1024),
+       dict(name="num_worst_fp8", T=256, H=7168, K=8, E=64, num_worst=600, fp8=True),
+       dict(name="small_ring", T=700, H=4096, K=8, E=64, config=Config(24, 2, 16), combine_config=Config(24, 2, 16)),
+       dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
+       dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
+       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64)),
+       dict(name="large", T=4096, H=7168, K=8, E=256)]
+)
+
+
+def cases_rank(rank: int, R: int, group, names) -> list:
+    torch.manual_seed(rank)
+    native, reference = make_buffers(group)
+    done = []
+    for i, case in enumerate(c for c in CASES if c["name"] in names):
+        try:
+            run_case(native, reference, rank, R, case, seed=1000 + i)
+        except Exception as error:
+            raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
+        done.append(case["name"])
+    torch.cuda.synchronize()
+    native.destroy()
+    reference.destroy()
+    return done
+
+
+@needs_gpus(2)
+def test_cases_two_ranks():
+    names = [c["name"] for c in CASES]
+    results = parallel_launch(2, cases_rank, names)
+    assert results[0] == names and results[1] == names
+
+
+@needs_gpus(1)
+def test_cases_one_rank():
+    names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
+                                                      "num_worst", "bias2", "small_ring")]
+    assert parallel_launch(1, cases_rank, names)[0] == names
+
+
+# ---- CUDA graphs, events, long runs -----------------------------------------------------------
+def graph_rank(rank: int, R: int, group, replays: int) -> int:
+    native, reference = make_buffers(group)
+    T, H, K, E = 512, 4096, 8, 64
+    num_worst = T * R
+    case = dict(T=T, H=H, K=K, E=E)
+    x0, topk0, w0 = make_inputs(rank, R, case, seed=5)
+    x_s, topk_s, w_s = x0.clone(), topk0.clone(), w0.clone()
+
+    def step():
+        layout = native.get_dispatch_layout(topk_s, E)
+        out = native.dispatch(x_s, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                              num_tokens_per_expert=layout[2], topk_idx=topk_s, topk_weights=w_s,
+                              num_worst_tokens=num_worst)
+        combined = native.combine(out[0], out[4], topk_weights=out[2])
+        return out, combined
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s, combined_s = step()
+    for i in range(replays):
+        x, topk_idx, weights = make_inputs(rank, R, case, seed=100 + i)
+        x_s.copy_(x), topk_s.copy_(topk_idx), w_s.copy_(weights)
+        out_s[0].fill_(float("nan"))  # poison before each replay
+        graph.replay()
+        layout = reference.get_dispatch_layout(topk_idx, E)
+        want = reference.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                  num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+        n = want[0].size(0)
+        assert_same(f"replay {i} recv_x", out_s[0][:n], want[0])
+        assert_same(f"replay {i} recv_topk_idx", out_s[1][:n], want[1])
+        assert bool((out_s[1][n:] == -1).all())
+        want_c = reference.combine(want[0], want[4], topk_weights=want[2])
+        torch.testing.assert_close(combined_s[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()
+    native.destroy()
+    reference.destroy()
+    return replays
+
+
+@needs_gpus(2)
+def test_cuda_graph_capture_and_replay():
+    assert parallel_launch(2, graph_rank, 50) == [50, 50]
+
+
+def async_rank(rank: int, R: int, group) -> bool:
+    native, reference = make_buffers(group)
+    case = dict(T=1024, H=7168, K=8, E=256)
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=3)
+    previous = Buffer.capture()
+    layout = native.get_dispatch_layout(topk_idx, 256, previous_event=previous, async_finish=True,
+                                        allocate_on_comm_stream=True)
+    layout[4].current_stream_wait()
+    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights,
+                          previous_event=layout[4], async_finish=True)
+    out[5].current_stream_wait()
+    combined = native.combine(out[0], out[4], topk_weights=out[2], async_finish=True)
+    combined[2].current_stream_wait()
+    r_layout = reference.get_dispatch_layout(topk_idx, 256)
+    want = reference.dispatch(x, num_tokens_per_rank=r_layout[0], is_token_in_rank=r_layout[3],
+                              num_tokens_per_expert=r_layout[2], topk_idx=topk_idx, topk_weights=weights)
+    assert_same("async recv_x", out[0], want[0])
+    want_c = reference.combine(want[0], want[4], topk_weights=want[2])
+    torch.testing.assert_close(combined[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()
+    native.destroy()
+    reference.destroy()
+    return True
+
+
+@needs_gpus(2)
+def test_async_events():
+    assert parallel_launch(2, async_rank) == [True, True]
+
+
+def long_run_rank(rank: int, R: int, group, iterations: int) -> int:
+    native, reference = make_buffers(group)
+    case = dict(T=256, H=2048, K=8, E=64, routing="minus_one")
+    for i in range(iterations):
+        x, topk_idx, weights = make_inputs(rank, R, case, seed=20000 + i)
+        poison_allocator(64)
+        layout = native.get_dispatch_layout(topk_idx, 64)
+        out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                              num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+        want = reference.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                  num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+        assert_same(f"iteration {i} recv_x", out[0], want[0])
+        assert_same(f"iteration {i} recv_topk_idx", out[1], want[1])
+        expert_out = want[0] * 2
+        combined = native.combine(expert_out, out[4], topk_weights=out[2])
+        want_c = reference.combine(expert_out, want[4], topk_weights=want[2])
+        torch.testing.assert_close(combined[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()
+    native.destroy()
+    reference.destroy()
+    return iterations
+
+
+@needs_gpus(2)
+def test_1000_back_to_back_iterations():
+    assert parallel_launch(2, long_run_rank, 1000) == [1000, 1000]
+
+
+# ---- failures: a missing peer, bad input ------------------------------------------------------
+def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
+    native, _ = make_buffers(group, timeout_s=3.0)
+    case = dict(T=64, H=2048, K=4, E=16)
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=1)
+    layout = native.get_dispatch_layout(topk_idx, 16)
+    kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                  topk_idx=topk_idx, topk_weights=weights)
+    if op == "combine":
+        out = native.dispatch(x, **kwargs)
+        torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(12)  # never joins the operation
+        return "absent"
+    try:
+        if op == "dispatch":
+            native.dispatch(x, **kwargs)
+        else:
+            native.combine(out[0], out[4])
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - the message is the point of the test
+        message = str(error)
+        if "waited for peer" not in message:  # the CUDA error surfaced first: ask ep_plugin what happened
+            try:
+                native._backend._runtime.check_device_error()
+            except Exception as detail:  # noqa: BLE001
+                message = str(detail)
+        return message
+    return "no error"
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_missing_peer_times_out_with_rank_and_peer(op):
+    results = parallel_launch(2, missing_peer_rank, op)
+    assert results[1] == "absent"
+    assert "rank 0" in results[0] and "peer 1" in results[0] and "timeout" in results[0], results[0]
+
+
+def bad_id_rank(rank: int, R: int, group) -> str:
+    native, _ = make_buffers(group, check_inputs=False)
+    case = dict(T=64, H=2048, K=4, E=16)
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=2)
+    layout = native.get_dispatch_layout(topk_idx, 16)
+    bad = topk_idx.clone()
+    if rank == 1:
+        bad[5, 2] = 999
+    message = "no error"
+    try:
+        native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], topk_idx=bad, topk_weights=weights)
+    except ValueError as error:
+        message = str(error)
+    # The buffer stays usable: a valid dispatch right after works on every rank.
+    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+    native.combine(out[0], out[4])
+    torch.cuda.synchronize()
+    native.destroy()
+    return message
+
+
+@needs_gpus(2)
+def test_out_of_range_expert_id_raises_on_every_rank():
+    results = parallel_launch(2, bad_id_rank)
+    for message in results:
+        assert "rank 1" in message and "999" in message, message
