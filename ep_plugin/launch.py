@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# ep_plugin never uses NVLink multicast (NVLS); keep it off in every process we start.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+from .environment import NO_MULTICAST_ENV  # ep_plugin never uses NVLink multicast; off in every rank
 
 
 def free_port() -> int:
