@@ -276,14 +276,30 @@ def _p2p_ceiling_gbps(rank: int, R: int, group) -> Optional[float]:
     return size / (statistics.median(times) * 1e-6) / 1e9
 
 
-def _bench_rank(rank: int, R: int, group, s: BenchSettings) -> dict:
+def _bench_rank(rank: int, R: int, group, points: List[BenchSettings]) -> List[dict]:
+    """Every point of a sweep in one set of processes; the P2P ceiling once."""
     device = torch.device("cuda", rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
-    runner = _normal_rank if s.mode == "normal" else _low_latency_rank
-    result = runner(rank, R, group, s, device)
-    result["p2p_gbps"] = _p2p_ceiling_gbps(rank, R, group)
-    result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return result
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    p2p = _p2p_ceiling_gbps(rank, R, group)
+    results = []
+    for i, s in enumerate(points):
+        runner = _normal_rank if s.mode == "normal" else _low_latency_rank
+        result = runner(rank, R, group, s, device)
+        result.update(p2p_gbps=p2p, device_name=device_name)
+        results.append(result)
+        if rank == 0 and len(points) > 1:
+            show_progress(i + 1, len(points), f"{s.num_tokens} tokens, {s.num_sms or 'config'} SMs")
+    return results
+
+
+def show_progress(done: int, total: int, label: str, width: int = 30) -> None:
+    """A one-line progress bar on stderr."""
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -301,8 +317,7 @@ def aggregate(per_rank: List[dict]) -> Dict[str, dict]:
     return ops
 
 
-def run_once(s: BenchSettings, num_ranks: int) -> dict:
-    per_rank = parallel_launch(num_ranks, _bench_rank, s)
+def summarize_run(s: BenchSettings, per_rank: List[dict], num_ranks: int) -> dict:
     p2p = [r["p2p_gbps"] for r in per_rank if r["p2p_gbps"] is not None]
     return {"settings": {k: v for k, v in dataclasses.asdict(s).items() if k not in ("sweep",)},
             "backend": per_rank[0]["backend"], "checked": all(r["checked"] for r in per_rank),
@@ -332,38 +347,19 @@ def format_table(run: dict) -> str:
     return "\n".join(lines)
 
 
-class Progress:
-    """A one-line progress bar on stderr for sweeps."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<30}")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def run_bench(s: BenchSettings) -> dict:
-    """Run the benchmark (and any sweep); returns everything `--out` writes."""
+    """Run the benchmark (every sweep point in one launch); returns everything `--out` writes."""
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
     num_ranks = s.num_ranks or default_num_ranks()
     base = s.resolved(on_gpu)
-    points = [dict()]
+    points = [base]
     if s.sweep:
         (key, values), = s.sweep.items()
-        points = [{key: v} for v in values]
-    progress = Progress(len(points)) if len(points) > 1 else None
-    runs = []
-    for point in points:
-        settings = dataclasses.replace(base, **point)
-        runs.append(run_once(settings, num_ranks))
-        if progress:
-            progress.step(", ".join(f"{k}={v}" for k, v in point.items()))
+        points = [dataclasses.replace(base, **{key: v}) for v in values]
+        print(f"ep_plugin bench: sweeping {key} over {values} ({len(values)} points)", file=sys.stderr, flush=True)
+    per_rank = parallel_launch(num_ranks, _bench_rank, points, timeout_s=600.0)
+    runs = [summarize_run(point, [rank_results[i] for rank_results in per_rank], num_ranks)
+            for i, point in enumerate(points)]
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": s.command,
             "host": platform.node(), "scaled_down_for_cpu": not on_gpu,
             "torch": torch.__version__, "runs": runs}

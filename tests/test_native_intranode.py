@@ -30,7 +30,7 @@ def poison_allocator(megabytes: int = 512) -> None:
     del block
 
 
-def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 60.0,
+def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 20.0,
                  check_inputs: bool = True):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))

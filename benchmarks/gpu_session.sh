@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, benchmarks; the summary is printed last.
+# Usage: STAGES="build tests bench sweeps" benchmarks/gpu_session.sh   (logs and results under $OUT)
+# At most a handful of files land in $OUT: *.log, results.tgz (JSON + PNG), summary.txt.
+set -u
+OUT=${OUT:-/tmp/ep_plugin_out}
+mkdir -p "$OUT" "$OUT/results_dir"
+# ep_plugin never uses NVLink multicast; keep it off in every process.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"build tests bench"}
+PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_native_layout.py tests/test_native_intranode.py"}
+summary="$OUT/summary.txt"
+: > "$summary"
+
+stage() {  # stage NAME COMMAND...: run, log, record rc and duration
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name: $*" >> "$OUT/$name.log"
+  "$@" >> "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s" >> "$summary"
+  return $rc
+}
+
+bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
+  local name=$1; shift
+  stage bench ep-plugin bench --out "$OUT/results_dir/$name.json" "$@"
+}
+
+for s in $STAGES; do
+  case $s in
+    build)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/build.log" 2>&1
+      stage build pip install --no-build-isolation --no-deps -e . || { cat "$summary"; tail -40 "$OUT/build.log"; exit 1; }
+      ;;
+    tests)
+      stage tests timeout 900 python -m pytest -x -q -rs $PYTEST_ARGS
+      ;;
+    bench)
+      bench bf16_sms24 --num-sms 24 --dtype bf16
+      bench fp8_sms24 --num-sms 24 --dtype fp8
+      bench bf16_sms16 --num-sms 16 --dtype bf16
+      bench fp8_sms16 --num-sms 16 --dtype fp8
+      ;;
+    sweeps)
+      bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --plot "$OUT/results_dir/sweep_sms.png"
+      bench sweep_tokens --num-sms 24 --sweep tokens=128,512,1024,2048,4096,8192,16384 --no-baseline \
+        --plot "$OUT/results_dir/sweep_tokens.png"
+      ;;
+  esac
+done
+
+tar -czf "$OUT/results.tgz" -C "$OUT" results_dir 2>/dev/null && rm -rf "$OUT/results_dir"
+echo "===== tail of logs ====="
+for f in "$OUT"/*.log; do echo "--- $f"; tail -25 "$f"; done
+echo "===== summary ====="
+cat "$summary"
+grep -h -A12 "^ep_plugin bench" "$OUT/bench.log" 2>/dev/null | grep -v "^--$" | head -80
