@@ -67,7 +67,8 @@ void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintp
   runtime.notify(args, as_stream(stream));
 }
 
-void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int num_tokens,
+void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
+                      int num_tokens,
                       int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
                       uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
@@ -75,6 +76,7 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   intranode::DispatchArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
+  args.send_chunk = send_chunk;
   args.num_tokens = num_tokens;
   args.row_bytes = row_bytes;
   args.num_scales = num_scales;
@@ -92,17 +94,18 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
   args.num_worst_tokens = num_worst_tokens;
   args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  EP_CHECK_ARG(num_topk == 0 || recv_topk_idx != 0, "recv_topk_idx is required when top-k ids are dispatched");
   runtime.dispatch(args, as_stream(stream));
 }
 
-void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int num_tokens,
+void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
+                     int num_tokens,
                      int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx,
                      uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t send_pos, uintptr_t bias_0,
                      uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights, uintptr_t stream) {
   intranode::CombineArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
+  args.send_chunk = send_chunk;
   args.num_tokens = num_tokens;
   args.hidden = hidden;
   args.num_topk = num_topk;
@@ -178,13 +181,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stream"))
       .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
       .def("dispatch", &runtime_dispatch, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
-           py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
+           py::arg("send_chunk"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
            py::arg("num_local_experts"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
            py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"))
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
-           py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
+           py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
            py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
            py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
            py::arg("stream"));

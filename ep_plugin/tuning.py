@@ -102,18 +102,23 @@ class Config:
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
 
 
+def _default_config(num_sms: int, num_ranks: int) -> Config:
+    # A sub-ring holds two publication chunks, so senders keep writing while receivers drain.
+    if num_ranks <= 2:
+        return Config(num_sms, 8, 256, 6, 128)
+    if num_ranks <= NUM_MAX_NVL_PEERS:
+        return Config(num_sms, 6, 128, 6, 128)
+    return Config(num_sms, 6, 128, 16, 256)
+
+
 def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:
     """Recommended dispatch tuning for any rank count (no closed table)."""
-    if num_ranks <= NUM_MAX_NVL_PEERS:
-        return Config(num_sms, 8, 64, 6, 128)
-    return Config(num_sms, 8, 64, 16, 256)
+    return _default_config(num_sms, num_ranks)
 
 
 def default_combine_config(num_sms: int, num_ranks: int) -> Config:
     """Recommended combine tuning for any rank count (no closed table)."""
-    if num_ranks <= NUM_MAX_NVL_PEERS:
-        return Config(num_sms, 8, 64, 6, 128)
-    return Config(num_sms, 8, 64, 16, 256)
+    return _default_config(num_sms, num_ranks)
 
 
 def low_latency_msg_bytes(hidden: int) -> int:

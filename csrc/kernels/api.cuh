@@ -44,6 +44,7 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 struct DispatchArgs {
   void* const* peer_buffers;
   int rank, num_ranks, num_channels, recv_tokens_per_channel;
+  int send_chunk;                   // tokens written before the ring tail is published
   int num_tokens, row_bytes, num_scales, num_topk, num_local_experts;
   const void* x;                    // [T, row_bytes]
   const float* x_scales;            // [T, num_scales] or nullptr
@@ -66,6 +67,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 struct CombineArgs {
   void* const* peer_buffers;
   int rank, num_ranks, num_channels, recv_tokens_per_channel;
+  int send_chunk;                   // rows written (or consumed) before a ring counter is published
   int num_tokens, hidden, num_topk;
   const void* x;                    // [rows, hidden] bf16: rows received by the dispatch
   const float* topk_weights;        // [rows, K] or nullptr

@@ -39,7 +39,8 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
 
 // Sends one row into the owner's ring; lane `owner` holds that ring's state.
 __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout& layout, int row, int owner,
-                                         uint8_t* ring, uint64_t* remote_tail, uint32_t epoch, uint32_t& sent) {
+                                         uint8_t* ring, uint64_t* remote_tail, uint32_t epoch, uint32_t chunk,
+                                         uint32_t& sent, uint32_t& published) {
   const int lane = lane_id();
   uint8_t* slot = static_cast<uint8_t*>(
       shfl_ptr(lane == owner ? ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes : nullptr, owner));
@@ -51,7 +52,8 @@ __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout&
     reinterpret_cast<SlotMeta*>(slot)->topk_weights[lane] = a.topk_weights[static_cast<int64_t>(row) * a.num_topk + lane];
   // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
   __syncwarp();
-  if (lane == owner) st_release_sys(remote_tail, pack_counter(epoch, ++sent, false));
+  if (lane == owner && ++sent - published >= chunk)
+    st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
 }
 
 // NOTE: the sender serves its owners round-robin and never blocks on one full ring while another
@@ -70,7 +72,9 @@ __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, H
     remote_tail = &header_of(a.peer_buffers, lane)->tails[a.rank][channel][warp];
     head = &me->heads[lane][channel][warp];
   }
-  uint32_t sent = 0, consumed = 0;
+  // Tails are published once per chunk and at the end of each owner's turn (see dispatch).
+  uint32_t sent = 0, published = 0, consumed = 0;
+  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
   int cursor = 0, last = 0, token_begin = 0;
   for (int owner = 0; owner < R; ++owner) {
     if (owner == a.rank) continue;
@@ -105,12 +109,15 @@ __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, H
           continue;
         }
         const int next = row + __ffs(rows) - 1;
-        send_row(a, layout, next, owner, ring, remote_tail, epoch, sent);
+        send_row(a, layout, next, owner, ring, remote_tail, epoch, chunk, sent, published);
         row = next + 1;
         --free_slots;
         progressed = true;
       }
-      if (lane == owner) cursor = row;
+      if (lane == owner) {
+        cursor = row;
+        if (published != sent) st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+      }
     }
     if (progressed) {
       deadline.restart();
@@ -150,7 +157,9 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
     tail = &me->tails[lane][channel][warp];
     remote_head = &header_of(a.peer_buffers, lane)->heads[a.rank][channel][warp];
   }
-  uint32_t consumed = 0, available = 0;
+  // Heads are published once per chunk and always before waiting (the sender may be waiting for space).
+  uint32_t consumed = 0, available = 0, published = 0;
+  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
 
@@ -160,6 +169,7 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
 
     // Wait until each remote copy of this token has arrived.
     if (owns_ring && pos >= 0 && available <= consumed) {
+      if (published != consumed) st_release_sys(remote_head, pack_counter(epoch, published = consumed, false));
       Deadline deadline(site);
       while (true) {
         const uint64_t word = ld_acquire_sys(tail);
@@ -228,7 +238,8 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
 
     // Hand the slot back to its sender.
     __syncwarp();
-    if (owns_ring && pos >= 0) st_release_sys(remote_head, pack_counter(epoch, ++consumed, false));
+    if (owns_ring && pos >= 0 && ++consumed - published >= chunk)
+      st_release_sys(remote_head, pack_counter(epoch, published = consumed, false));
   }
   // Acknowledge, so that a sender with nothing for this warp can finish its drain.
   if (owns_ring) st_release_sys(remote_head, pack_counter(epoch, consumed, false));
@@ -257,6 +268,7 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.hidden > 0 && args.hidden % 8 == 0, "bf16 rows must be a multiple of 16 bytes, hidden = "
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
+  EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG((args.num_topk > 0) == (args.topk_weights != nullptr), "topk_weights and num_topk disagree");
   combine_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());

@@ -32,7 +32,10 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     remote_tail = &header_of(a.peer_buffers, lane)->tails[a.rank][channel][warp];
     head = &me->heads[lane][channel][warp];
   }
-  uint32_t sent = 0, consumed = 0;
+  // NOTE: a system-scope release costs a round trip over NVLink; publish the tail once per chunk,
+  // and always before waiting for ring space (the receiver can only free what it can see).
+  uint32_t sent = 0, published = 0, consumed = 0;
+  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
   const int payload_scales_offset = a.row_bytes;
   const int num_units = a.row_bytes / 16;
 
@@ -45,6 +48,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     uint8_t* slot = nullptr;
     if (owns_ring && pos >= 0) {
       if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
+        if (published != sent) st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
         Deadline deadline(site);
         while (true) {
           const uint64_t word = ld_acquire_sys(head);
@@ -112,7 +116,8 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 
     // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
     __syncwarp();
-    if (owns_ring && pos >= 0) st_release_sys(remote_tail, pack_counter(epoch, ++sent, false));
+    if (owns_ring && pos >= 0 && ++sent - published >= chunk)
+      st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
   }
 
   // Tell each receiver how many tokens this warp sent, then wait until it consumed them all, so
@@ -246,6 +251,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.row_bytes > 0 && args.row_bytes % 16 == 0, "rows must be a multiple of 16 bytes, got "
                                                                    << args.row_bytes);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
+  EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
                "x_scales and num_scales disagree");
   dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);

@@ -155,7 +155,7 @@ class NativeBackend(Backend):
                          config: Config) -> None:
         self._runtime.dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
+            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
             num_scales=0 if x_scales is None else x_scales.size(1),
             num_topk=0 if topk_idx is None else topk_idx.size(1), num_local_experts=num_local_experts,
             x=_address(x), x_scales=_address(x_scales), topk_idx=_address(topk_idx),
@@ -180,7 +180,7 @@ class NativeBackend(Backend):
         combined_weights = None if topk_weights is None else self._empty(T, topk_weights.size(1), dtype=torch.float32)
         self._runtime.combine(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            num_tokens=T, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
+            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=T, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
             x=_address(x), topk_weights=_address(topk_weights), recv_src_idx=_address(handle.recv_src_idx),
             recv_rank_offsets=_address(handle.recv_rank_offsets), src_num_tokens=_address(handle.src_num_tokens),
             send_pos=_address(handle.send_pos), bias_0=_address(bias_0), bias_1=_address(bias_1),
