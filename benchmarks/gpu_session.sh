@@ -24,23 +24,31 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
 
 bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
   local name=$1; shift
-  stage bench ep-plugin bench --out "$OUT/results_dir/$name.json" "$@"
+  stage bench python3 -m ep_plugin bench --out "$OUT/results_dir/$name.json" "$@"
 }
 
 for s in $STAGES; do
   case $s in
     build)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/build.log" 2>&1
-      stage build pip install --no-build-isolation --no-deps -e . || { cat "$summary"; tail -40 "$OUT/build.log"; exit 1; }
+      stage build python3 -m pip install --no-build-isolation --no-deps -e . || { cat "$summary"; tail -40 "$OUT/build.log"; exit 1; }
       ;;
     tests)
-      stage tests timeout 900 python -m pytest -x -q -rs $PYTEST_ARGS
+      stage tests timeout 900 python3 -m pytest -x -q -rs $PYTEST_ARGS
       ;;
     bench)
       bench bf16_sms24 --num-sms 24 --dtype bf16
       bench fp8_sms24 --num-sms 24 --dtype fp8
       bench bf16_sms16 --num-sms 16 --dtype bf16
       bench fp8_sms16 --num-sms 16 --dtype fp8
+      ;;
+    tuning)  # ring and chunk sizes (dispatch and combine alike), 24 SMs
+      for pair in "4 128" "16 512"; do
+        set -- $pair
+        printf 'dispatch: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\ncombine: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\n' \
+          "$1" "$2" "$1" "$2" > "/tmp/tuning_$1_$2.yaml"
+        bench "tuning_send$1_recv$2" --config "/tmp/tuning_$1_$2.yaml" --num-sms 24 --no-baseline
+      done
       ;;
     sweeps)
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --plot "$OUT/results_dir/sweep_sms.png"

@@ -110,7 +110,7 @@ void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_token
   args.hidden = hidden;
   args.num_topk = num_topk;
   args.x = pointer<const uint8_t>(x, "x", false, 16);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", num_topk > 0);
+  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
   args.recv_src_idx = pointer<const int32_t>(recv_src_idx, "recv_src_idx", false);
   args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets");
   args.src_num_tokens = pointer<const int32_t>(src_num_tokens, "src_num_tokens");

@@ -39,10 +39,19 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   const int payload_scales_offset = a.row_bytes;
   const int num_units = a.row_bytes / 16;
 
+  // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
+  auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  int next_pos = load_pos(token_begin + warp);
   for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
-    const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+    const int pos = next_pos;
+    next_pos = load_pos(t + kWarpsPerChannel);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dst_mask == 0) continue;
+    // Issue the top-k loads before the row copy, which does not depend on them.
+    const bool has_topk = a.num_topk > 0 && lane < a.num_topk;
+    const int64_t expert = has_topk ? a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
+    const float weight =
+        has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
 
     // Reserve the next slot of each remote ring (wait while the ring is full).
     uint8_t* slot = nullptr;
@@ -87,9 +96,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     }
 
     // Top-k ids become destination-local expert ids (-1 elsewhere); weights follow them.
-    if (a.num_topk > 0 && lane < a.num_topk) {
-      const int64_t expert = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
-      const float weight = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+    if (has_topk) {
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r) {
         if (dst[r] == nullptr) continue;
