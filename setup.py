@@ -106,6 +106,12 @@ class NvccBuildExt(build_ext):
             target_lang="c++")
 
 
+def integration_packages() -> list[str]:
+    """Sub-packages of integrations/ (megatron, vllm, ...), shipped as ep_plugin.integrations.<name>."""
+    return sorted(p.parent.relative_to(ROOT / "integrations").as_posix().replace("/", ".")
+                  for p in (ROOT / "integrations").glob("*/**/__init__.py"))
+
+
 def extensions() -> list[Extension]:
     if os.environ.get("EP_PLUGIN_SKIP_CUDA") == "1":
         print("ep_plugin: EP_PLUGIN_SKIP_CUDA=1, installing the pure-Python package only")
@@ -126,13 +132,16 @@ setup(
                 "NVLink kernels, Megatron-Core and vLLM integrations",
     python_requires=">=3.10",
     # integrations/ and configs/ ship inside the package: ep_plugin.integrations.*, ep_plugin.configs.
-    packages=["ep_plugin", "ep_plugin.backends", "ep_plugin.integrations", "ep_plugin.configs"],
+    packages=["ep_plugin", "ep_plugin.backends", "ep_plugin.configs", "ep_plugin.integrations",
+              *[f"ep_plugin.integrations.{name}" for name in integration_packages()]],
     package_dir={"ep_plugin": "ep_plugin", "ep_plugin.integrations": "integrations", "ep_plugin.configs": "configs"},
     package_data={"ep_plugin.configs": ["*.yaml"]},
     install_requires=["torch>=2.4", "pyyaml>=6", "numpy"],
     extras_require={"test": ["pytest>=7"], "plot": ["matplotlib"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": NvccBuildExt},
-    entry_points={"console_scripts": ["ep-plugin = ep_plugin.cli:main"]},
+    entry_points={"console_scripts": ["ep-plugin = ep_plugin.cli:main"],
+                  # vLLM loads general plugins in every process before it parses its CLI.
+                  "vllm.general_plugins": ["ep_plugin = ep_plugin.integrations.vllm:register"]},
     zip_safe=False,
 )
