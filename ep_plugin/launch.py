@@ -17,6 +17,10 @@ import torch.multiprocessing as mp
 
 from .environment import NO_MULTICAST_ENV  # ep_plugin never uses NVLink multicast; off in every rank
 
+# Seconds a rank may take to exit once every result is in. A rank whose CUDA context was stopped by a
+# device-side timeout (trap) can hang in NCCL's teardown; its result is already here, so it is ended.
+EXIT_GRACE_S = 15.0
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -48,12 +52,32 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
         results.put((rank, True, value))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+    # NOTE: deliver the result before tearing down: a teardown that blocks in C code while holding the
+    # GIL would otherwise starve the queue's feeder thread, and the parent would never hear from us.
+    results.close()
+    results.join_thread()
+    _tear_down(backend)
+
+
+def _cuda_is_healthy() -> bool:
+    """False once a kernel has trapped (a device-side timeout): the context is unusable."""
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _tear_down(backend: str) -> None:
+    """Destroy the process group, or exit at once where NCCL's teardown could hang on a dead context."""
+    if not dist.is_initialized():
+        return
+    if backend == "nccl" and not _cuda_is_healthy():
+        os._exit(0)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional[str] = None,
@@ -87,7 +111,7 @@ def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional
                         f"exit codes: {[p.exitcode for p in processes]}")
     finally:
         for process in processes:
-            process.join(timeout=5 if failures else timeout_s)
+            process.join(timeout=5 if failures else EXIT_GRACE_S)
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=5)
