@@ -1,0 +1,182 @@
+"""What differs between the supported megatron-core releases, in one place.
+
+Supported: megatron-core 0.16.x to 0.19.x. `check_version` and `check_surface` run at registration:
+an unknown release or a missing symbol raises `MegatronVersionError` naming what was expected,
+instead of failing later inside a training step.
+
+Differences handled here:
+    - `moe_utils.permute` returns 3 values in 0.16 and 5 from 0.17 on (pad offsets and padded
+      tokens per expert, with `tokens_per_expert` / `align_size` arguments for TransformerEngine's
+      fused permute-and-pad); `unpermute` takes `pad_offsets` from 0.17 on.
+    - `MoETokenDispatcher.__init__` sets `ep_rank` from 0.18 on (the dispatcher sets it itself).
+    - `SharedExpertMLP.wait_current_stream` exists from 0.18 on; before, `pre_forward_comm` waits.
+    - MoE module specs are `ModuleSpec`s up to 0.17 and `functools.partial`s from 0.18 on (only the
+      tests build specs; `MoELayer.__init__(config, submodules, ...)` is the same in every release).
+    - Megatron-LM's `--moe-token-dispatcher-type` is an explicit argparse option up to 0.16 and is
+      generated from `TransformerConfig`'s `Literal` annotation from 0.17 on (see cli.py).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+# Inclusive range of (major, minor) releases this integration was written against.
+SUPPORTED_MIN = (0, 16)
+SUPPORTED_MAX = (0, 19)
+# Set to 1 to try a release outside that range (the structural checks still run).
+ALLOW_UNTESTED_ENV = "EP_PLUGIN_MEGATRON_ALLOW_UNTESTED"
+
+_DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+                       "token_combine", "combine_postprocess", "set_shared_experts")
+
+
+class MegatronVersionError(RuntimeError):
+    """megatron-core is missing, outside the supported range, or lacks a symbol the patches need."""
+
+
+def megatron_version() -> str:
+    """The installed megatron-core version string (package metadata, else megatron.core.package_info)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        pass
+    try:
+        from megatron.core import package_info
+    except ImportError as error:
+        raise MegatronVersionError(f"megatron-core is not installed (import megatron.core failed: {error}); "
+                                   f"see docs/megatron.md") from None
+    return str(package_info.__version__)
+
+
+def parse_version(text: str) -> Tuple[int, int, int]:
+    """'0.19.2+f6a5b40' -> (0, 19, 2); pre-releases keep their numeric part ('0.20.0rc1' -> (0, 20, 0))."""
+    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise MegatronVersionError(f"cannot parse the megatron-core version {text!r}")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+def check_version(text: Optional[str] = None) -> Tuple[int, int, int]:
+    """Raise `MegatronVersionError` unless the release (default: the installed one) is in the supported range."""
+    text = megatron_version() if text is None else text
+    parsed = parse_version(text)
+    if not SUPPORTED_MIN <= parsed[:2] <= SUPPORTED_MAX:
+        lo, hi = ".".join(map(str, SUPPORTED_MIN)), ".".join(map(str, SUPPORTED_MAX))
+        message = (f"ep_plugin's Megatron integration supports megatron-core {lo}.x to {hi}.x, found {text}: its "
+                   f"patch surface (TransformerConfig.__post_init__, MoELayer.__init__, moe_utils.permute) has not "
+                   f"been checked against this release.")
+        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+            raise MegatronVersionError(message + f" Set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
+        warnings.warn(message + f" Continuing because {ALLOW_UNTESTED_ENV}=1.", RuntimeWarning, stacklevel=3)
+    return parsed
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise MegatronVersionError(f"megatron-core {megatron_version()}: {what}; ep_plugin's Megatron patches do not "
+                                   f"know this layout (see integrations/megatron/_compat.py)")
+
+
+def check_surface() -> None:
+    """Check every Megatron symbol and signature the integration relies on."""
+    from megatron.core.transformer import transformer_config
+    from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+
+    base = getattr(token_dispatcher, "MoETokenDispatcher", None)
+    _require(base is not None, "megatron.core.transformer.moe.token_dispatcher.MoETokenDispatcher is missing")
+    for name in _DISPATCHER_METHODS:
+        _require(callable(getattr(base, name, None)), f"MoETokenDispatcher.{name} is missing")
+    init_params = list(inspect.signature(base.__init__).parameters)
+    _require(init_params[1:3] == ["config", "pg_collection"],
+             f"MoETokenDispatcher.__init__ takes {init_params[1:]}, expected (config, pg_collection)")
+
+    _require(hasattr(moe_layer, "MoEAlltoAllTokenDispatcher"), "moe_layer no longer imports MoEAlltoAllTokenDispatcher")
+    source = inspect.getsource(moe_layer.MoELayer.__init__)
+    _require("moe_token_dispatcher_type" in source and "MoEAlltoAllTokenDispatcher(" in source,
+             "MoELayer.__init__ no longer selects its dispatcher from config.moe_token_dispatcher_type")
+
+    config_cls = transformer_config.TransformerConfig
+    fields = getattr(config_cls, "__dataclass_fields__", {})
+    for name in ("moe_token_dispatcher_type", "moe_router_padding_for_quantization", "moe_permute_fusion",
+                 "moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap"):
+        _require(name in fields, f"TransformerConfig has no {name} field")
+    _require(callable(getattr(config_cls, "__post_init__", None)), "TransformerConfig has no __post_init__")
+
+    for name in ("permute", "unpermute", "pad_routing_map", "get_align_size_for_quantization",
+                 "get_default_pg_collection"):
+        _require(callable(getattr(moe_utils, name, None)), f"moe_utils.{name} is missing")
+    params = inspect.signature(moe_utils.permute).parameters
+    for name in ("tokens", "routing_map", "probs", "num_out_tokens", "fused"):
+        _require(name in params, f"moe_utils.permute has no '{name}' argument")
+
+
+# ---- permutation ---------------------------------------------------------------------------------
+_PERMUTE_PARAMS: Optional[frozenset] = None
+_UNPERMUTE_PARAMS: Optional[frozenset] = None
+
+
+def _params(function) -> frozenset:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_out_tokens: int,
+            fused: bool, tokens_per_expert: torch.Tensor, align_size: int):
+    """Megatron's `moe_utils.permute` with the 0.17+ return convention on every release.
+
+    Arguments:
+        tokens: `[N, H]`; routing_map: `[N, E_local]` bool; probs: `[N, E_local]` float32.
+        num_out_tokens: rows of the output (host int, the sum of `tokens_per_expert`).
+        fused: TransformerEngine's fused kernels (Megatron's `moe_permute_fusion`).
+        tokens_per_expert: `[E_local]` int64 on the host.
+        align_size: per-expert alignment for TE's fused permute-and-pad (0: none; ignored on 0.16).
+
+    Returns:
+        permuted `[M, H]` (rows grouped by expert, in row order within an expert), permuted probs `[M]`,
+        the mapping for `unpermute`, pad offsets or None, tokens per expert after any padding.
+    """
+    global _PERMUTE_PARAMS
+    from megatron.core.transformer.moe import moe_utils
+    if _PERMUTE_PARAMS is None:
+        _PERMUTE_PARAMS = _params(moe_utils.permute)
+    kwargs = dict(probs=probs, num_out_tokens=num_out_tokens, fused=fused)
+    if "tokens_per_expert" in _PERMUTE_PARAMS:
+        kwargs["tokens_per_expert"] = tokens_per_expert
+    if "align_size" in _PERMUTE_PARAMS and align_size > 0:
+        kwargs["align_size"] = align_size
+    result = moe_utils.permute(tokens, routing_map, **kwargs)
+    if len(result) == 3:  # 0.16
+        permuted, permuted_probs, mapping = result
+        return permuted, permuted_probs, mapping, None, tokens_per_expert
+    permuted, permuted_probs, mapping, pad_offsets, padded_tokens_per_expert = result
+    if padded_tokens_per_expert is None:
+        padded_tokens_per_expert = tokens_per_expert
+    return permuted, permuted_probs, mapping, pad_offsets, padded_tokens_per_expert
+
+
+def unpermute(permuted: torch.Tensor, mapping: torch.Tensor, restore_shape: torch.Size, routing_map: torch.Tensor,
+              fused: bool, pad_offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """Megatron's `moe_utils.unpermute` without probs (the experts applied them): rows summed back into `[N, H]`."""
+    global _UNPERMUTE_PARAMS
+    from megatron.core.transformer.moe import moe_utils
+    if _UNPERMUTE_PARAMS is None:
+        _UNPERMUTE_PARAMS = _params(moe_utils.unpermute)
+    kwargs = dict(restore_shape=restore_shape, routing_map=routing_map, fused=fused)
+    if "pad_offsets" in _UNPERMUTE_PARAMS:
+        kwargs["pad_offsets"] = pad_offsets
+    elif pad_offsets is not None:
+        raise MegatronVersionError("permute returned pad offsets but unpermute cannot take them")
+    return moe_utils.unpermute(permuted, mapping, **kwargs)
+
+
+# ---- shared experts --------------------------------------------------------------------------------
+def shared_experts_wait(shared_experts) -> None:
+    """Let the shared experts' stream wait for the current one where the release does so (0.18+)."""
+    wait = getattr(shared_experts, "wait_current_stream", None)
+    if wait is not None:
+        wait()
