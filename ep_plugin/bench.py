@@ -75,32 +75,47 @@ def per_token_fp8(x: torch.Tensor):
 
 
 class Timer:
-    """CUDA events on GPU, perf_counter on CPU; an L2 flush before each timed run on GPU."""
+    """Per-call times, as DeepEP's benchmarks take them.
+
+    GPU: warm-up calls, one barrier, then `iters` calls back to back with CUDA events around each
+    and the L2 flushed (256 MB written) before each, outside the timed region. No host barrier
+    between calls: ranks stay in step through the operation itself (every dispatch and combine waits
+    for its peers), so a barrier's exit skew is not timed. CPU: a barrier and perf_counter per call.
+    """
+
+    METHOD = "warm-up, one barrier, back-to-back calls, L2 flushed before each (untimed), CUDA events"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def run(self, fn: Callable[[], object], group, warmup: int, iters: int) -> List[float]:
+        if self.device.type != "cuda":
+            return self._run_on_host(fn, group, warmup, iters)
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        events = []
+        for _ in range(iters):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+    @staticmethod
+    def _run_on_host(fn: Callable[[], object], group, warmup: int, iters: int) -> List[float]:
         times = []
         for i in range(warmup + iters):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-                dist.barrier(group=group)
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                elapsed_us = start.elapsed_time(end) * 1e3
-            else:
-                dist.barrier(group=group)
-                begin = time.perf_counter()
-                fn()
-                elapsed_us = (time.perf_counter() - begin) * 1e6
+            dist.barrier(group=group)
+            begin = time.perf_counter()
+            fn()
             if i >= warmup:
-                times.append(elapsed_us)
+                times.append((time.perf_counter() - begin) * 1e6)
         return times
 
 
@@ -366,7 +381,7 @@ def run_bench(s: BenchSettings) -> dict:
     runs = [summarize_run(point, [rank_results[i] for rank_results in per_rank], num_ranks)
             for i, point in enumerate(points)]
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": s.command,
-            "host": platform.node(), "scaled_down_for_cpu": not on_gpu,
+            "host": platform.node(), "scaled_down_for_cpu": not on_gpu, "timing": Timer.METHOD,
             "torch": torch.__version__, "runs": runs}
 
 
@@ -382,13 +397,16 @@ def plot(report: dict, path: str) -> None:
     if sweep_key and len(runs) > 1:
         xs = [r["settings"][sweep_key] for r in runs]
         for name in names:
-            ax.plot(xs, [r["ops"][name]["algo_gbps"] for r in runs], marker="o", label=name)
+            line, = ax.plot(xs, [r["ops"][name]["algo_gbps"] for r in runs], marker="o", label=f"{name} (algorithm)")
+            if runs[0]["ops"][name]["link_gbps"] is not None:  # bytes that crossed NVLink: compare with P2P
+                ax.plot(xs, [r["ops"][name]["link_gbps"] for r in runs], marker=".", linestyle=":",
+                        color=line.get_color(), label=f"{name} (over the link)")
         ax.set_xlabel(sweep_key)
         if runs[0]["p2p_gbps"]:
-            ax.axhline(runs[0]["p2p_gbps"], color="gray", linestyle="--", label="P2P copy (per direction)")
+            ax.axhline(runs[0]["p2p_gbps"], color="gray", linestyle="--", label="P2P copy ceiling (per direction)")
     else:
         ax.bar(names, [runs[0]["ops"][n]["algo_gbps"] for n in names])
-    ax.set_ylabel("algorithm bandwidth (GB/s)")
+    ax.set_ylabel("GB/s")
     r0 = runs[0]
     ax.set_title(f"ep_plugin {r0['settings']['mode']} {r0['backend']} x{r0['num_ranks']} {r0['device_name']}")
     ax.legend(fontsize=8) if sweep_key else None
@@ -397,6 +415,11 @@ def plot(report: dict, path: str) -> None:
 
 
 def main_bench(s: BenchSettings, out: Optional[str], plot_path: Optional[str]) -> int:
+    if plot_path:  # fail before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install matplotlib (or ep_plugin[plot])") from None
     report = run_bench(s)
     report["sweep"] = s.sweep
     for run in report["runs"]:
