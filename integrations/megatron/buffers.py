@@ -4,7 +4,8 @@ Config precedence (highest first): `register(config=...)`, Megatron-LM's `--ep-p
 `$EP_PLUGIN_CONFIG`, the built-in defaults. The config must be in normal mode (the dispatcher uses
 `get_dispatch_layout` / `dispatch` / `combine`).
 
-Buffers are created on first use by a dispatcher of that group (a collective over the group, as
+The Buffer's per-call expert-id validation (`check_inputs`, a host sync) is off: the dispatcher builds
+the ids itself. Buffers are created on first use by a dispatcher of that group (a collective over the group, as
 every MoE layer is built on every rank in the same order), shared by every layer, and re-created
 larger if a layer needs more hidden bytes than the cached one was sized for.
 """
@@ -76,7 +77,9 @@ def get_buffer(group: dist.ProcessGroup, hidden: int) -> Buffer:
                     return buffer
                 del _cache[index]
                 break
-        settings = resolve_config()
+        # The dispatcher builds the expert ids itself (always in [-1, E)): the Buffer's per-call id
+        # validation, a device-to-host sync, would only cost time.
+        settings = resolve_config().replace(check_inputs=False)
         if hidden > settings.buffer.max_hidden:
             settings = settings.replace(buffer=dataclasses.replace(settings.buffer, max_hidden=hidden))
         buffer = Buffer.from_config(group, settings)

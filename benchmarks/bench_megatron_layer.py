@@ -1,0 +1,250 @@
+"""Megatron-Core MoE layer with the `ep_plugin`, `alltoall` and `allgather` token dispatchers (2 GPUs).
+
+For each dispatcher, on the same weights, inputs and routing:
+
+- dispatcher time: Megatron's six dispatcher methods forward (dispatch_preprocess ... combine_postprocess)
+  and their backward, with the experts replaced by the scaling by probs (as Megatron's dispatcher
+  tests do), so the time is the dispatcher's own: permutations, communication, host syncs;
+- layer step: the whole MoELayer forward + backward (router, dispatch, SequentialMLP experts, or
+  TransformerEngine's grouped GEMM with --experts te, combine).
+
+Each timed iteration: L2 flushed, ranks aligned by a barrier, CUDA events around the work on the
+current stream. Per rank: median, p10, p90, min, max over the timed iterations; a step's time is the
+slowest rank's median. Also reported: the "algorithmic" bandwidth of the dispatcher,
+GB/s = 4 * T * top-k * H * 2 bytes / time (every (token, expert) row once in each of dispatch,
+combine and their two backward passes), the same formula for every dispatcher.
+
+    python3 benchmarks/bench_megatron_layer.py --out benchmarks/results/megatron_layer_h200x2.json
+
+Defaults: hidden 4096, 64 experts, top-6, FFN hidden 1408, 8192 tokens per rank, bf16, EP 2.
+Targets (issue 6): ep_plugin's dispatcher time <= 0.5 x alltoall's; layer step >= 1.15x faster.
+Importable without a GPU (the work runs in spawned ranks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+DISPATCHERS = ("ep_plugin", "alltoall", "allgather")
+L2_FLUSH_BYTES = 256 << 20
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=64, dest="num_experts")
+    parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--ffn", type=int, default=1408, help="expert FFN hidden size")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--ranks", type=int, default=2, help="GPUs (= EP size)")
+    parser.add_argument("--dispatchers", default=",".join(DISPATCHERS))
+    parser.add_argument("--expert-impl", choices=("sequential", "te"), default="sequential",
+                        help="SequentialMLP (no TransformerEngine) or TE's grouped GEMM (needs TE)")
+    parser.add_argument("--permute-fusion", action="store_true", help="moe_permute_fusion (needs TE)")
+    parser.add_argument("--ep-plugin-config", default=None, help="ep_plugin YAML for the ep_plugin dispatcher")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default=None, help="write the results (JSON) here")
+    args = parser.parse_args(argv)
+    args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
+    unknown = sorted(set(args.dispatchers) - set(DISPATCHERS))
+    if unknown:
+        parser.error(f"unknown dispatchers {unknown}; choose from {DISPATCHERS}")
+    if args.num_experts % args.ranks:
+        parser.error(f"--experts {args.num_experts} is not divisible by --ranks {args.ranks}")
+    return args
+
+
+# ---- inside the ranks -----------------------------------------------------------------------------------
+def _setup(args: argparse.Namespace) -> None:
+    import megatron_env
+    megatron_env.prepare()
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    import ep_plugin.integrations.megatron as ep_megatron
+
+    if args.ep_plugin_config:
+        ep_megatron.register(config=args.ep_plugin_config)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=args.ranks)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def _build_layer(args: argparse.Namespace, dispatcher: str):
+    import functools
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
+        num_attention_heads=32, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
+        moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=args.ranks, bf16=True,
+        params_dtype=torch.bfloat16, moe_router_dtype="fp32", add_bias_linear=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=args.expert_impl == "te", moe_permute_fusion=args.permute_fusion)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    spec = get_moe_module_spec(use_te=args.expert_impl == "te", num_experts=args.num_experts,
+                               moe_grouped_gemm=args.expert_impl == "te")
+    submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    return MoELayer(config, submodules).cuda()
+
+
+def _dispatcher_round(layer, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                      grad: torch.Tensor) -> None:
+    """The six dispatcher methods with the experts replaced by the scaling by probs, then the backward."""
+    dispatcher = layer.token_dispatcher
+    tokens, weights = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    tokens, weights = dispatcher.token_dispatch(tokens, weights)
+    tokens, _, permuted_probs = dispatcher.dispatch_postprocess(tokens, weights)
+    tokens = (tokens * permuted_probs.unsqueeze(-1)).to(hidden.dtype)
+    tokens = dispatcher.combine_preprocess(tokens)
+    tokens = dispatcher.token_combine(tokens)
+    output = dispatcher.combine_postprocess(tokens)
+    torch.autograd.backward(output, grad)
+
+
+def _layer_step(layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
+    output, _ = layer(hidden)
+    torch.autograd.backward(output, grad)
+
+
+def _time(fn, warmup: int, iters: int, flush: torch.Tensor) -> List[float]:
+    """Milliseconds of each timed call (L2 flushed before, ranks aligned by a barrier)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        torch.distributed.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _summary(times: List[float]) -> Dict[str, float]:
+    ordered = sorted(times)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
+    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9),
+            "min": ordered[0], "max": ordered[-1]}
+
+
+def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict:
+    _setup(args)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(args.seed * 31 + rank)
+    hidden = torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    grad = torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    state = None
+    results = {}
+    for name in args.dispatchers:
+        layer = _build_layer(args, name)
+        if state is None:
+            state = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+        else:
+            layer.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            probs, routing_map = layer.router(hidden)
+        probs = probs.detach().requires_grad_()
+        x = hidden.clone().requires_grad_()
+        dispatcher_ms = _time(lambda: _dispatcher_round(layer, x, probs, routing_map, grad),
+                              args.warmup, args.iters, flush)
+        layer_ms = _time(lambda: _layer_step(layer, x, grad), args.warmup, args.iters, flush)
+        extra = {}
+        buffer = getattr(layer.token_dispatcher, "buffer", None)
+        if buffer is not None:
+            extra = {"backend": buffer.backend_name, "num_sms": buffer.num_sms}
+        results[name] = {"dispatcher_ms": _summary(dispatcher_ms), "layer_step_ms": _summary(layer_ms),
+                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
+        del layer, probs, x
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return results
+
+
+# ---- the parent ----------------------------------------------------------------------------------------
+def _combine_ranks(per_rank: List[Dict], args: argparse.Namespace) -> Dict:
+    """A dispatcher's time is its slowest rank's median; speed-ups are relative to ep_plugin."""
+    table = {}
+    for name in args.dispatchers:
+        entry = {"per_rank": [r[name] for r in per_rank]}
+        for metric in ("dispatcher_ms", "layer_step_ms"):
+            entry[metric] = max(r[name][metric]["median"] for r in per_rank)
+        rows = args.tokens * args.topk
+        entry["dispatcher_algorithmic_gbps"] = 4 * rows * args.hidden * 2 / (entry["dispatcher_ms"] * 1e-3) / 1e9
+        table[name] = entry
+    targets = {}
+    if "ep_plugin" in table and "alltoall" in table:
+        ours, theirs = table["ep_plugin"], table["alltoall"]
+        targets = {
+            "dispatcher_time_ratio_vs_alltoall": ours["dispatcher_ms"] / theirs["dispatcher_ms"],
+            "dispatcher_target_met (<= 0.5)": ours["dispatcher_ms"] <= 0.5 * theirs["dispatcher_ms"],
+            "layer_speedup_vs_alltoall": theirs["layer_step_ms"] / ours["layer_step_ms"],
+            "layer_target_met (>= 1.15)": theirs["layer_step_ms"] / ours["layer_step_ms"] >= 1.15,
+        }
+    return {"results": table, "targets": targets}
+
+
+def _environment() -> Dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    try:
+        from importlib.metadata import version
+        info["megatron_core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return info
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:
+        print(f"bench_megatron_layer: needs {args.ranks} CUDA GPUs", file=sys.stderr)
+        return 2
+    from ep_plugin.launch import parallel_launch
+
+    started = time.time()
+    per_rank = parallel_launch(args.ranks, bench_worker, args, timeout_s=1200)
+    report = {
+        "benchmark": "megatron_moe_layer",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "environment": _environment(),
+        "formula": "dispatcher_algorithmic_gbps = 4 * tokens * topk * hidden * 2 B / dispatcher time",
+        "wall_s": round(time.time() - started, 1),
+        **_combine_ranks(per_rank, args),
+    }
+    for name, entry in report["results"].items():
+        print(f"{name:>10}: dispatcher {entry['dispatcher_ms']:8.3f} ms   layer step {entry['layer_step_ms']:8.3f} ms")
+    for key, value in report["targets"].items():
+        print(f"{key}: {value}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as file:
+            json.dump(report, file, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
