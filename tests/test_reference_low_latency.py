@@ -14,13 +14,13 @@ import math
 import os
 import random
 import struct
-import traceback
 from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
 
 import dense_oracle as oracle
+from case_runner import assert_case_passed, run_each
 import ep_plugin
 from ep_plugin import fp8
 from ep_plugin.launch import parallel_launch
@@ -383,16 +383,7 @@ CASES = ("bf16_hook_out", "fp8_float_scales", "fp8_round_scale", "fp8_ue8m0", "z
 
 def low_latency_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:
     """Run every case on this rank; returns case -> None (passed) or the failure's traceback."""
-    ctx = Ctx(rank, num_ranks, group, seed)
-    cases = _cases(ctx)
-    results = {}
-    for name in CASES:
-        try:
-            cases[name]()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per case
-            results[name] = traceback.format_exc()
-    return results
+    return run_each(_cases(Ctx(rank, num_ranks, group, seed)), CASES)
 
 
 # ---- pytest ----------------------------------------------------------------------------------------
@@ -405,5 +396,4 @@ def launch(request):
 @pytest.mark.parametrize("case", CASES)
 def test_low_latency(launch, case):
     num_ranks, seed, results = launch
-    failures = [f"--- rank {rank} ---\n{result[case]}" for rank, result in enumerate(results) if result[case]]
-    assert not failures, f"EP_TEST_SEED={BASE_SEED} (seed {seed}), {num_ranks} ranks:\n" + "\n".join(failures)
+    assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED} (seed {seed}), {num_ranks} ranks")
