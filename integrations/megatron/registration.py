@@ -29,6 +29,7 @@ _originals: Dict[str, Any] = {}
 
 
 def is_registered() -> bool:
+    """Whether `register()` is in effect."""
     return bool(_originals)
 
 
