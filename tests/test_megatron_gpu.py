@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import megatron_env
+from case_runner import assert_case_passed
 from ep_plugin.launch import parallel_launch
 
 pytestmark = [
@@ -208,5 +209,4 @@ def launch():
 
 @pytest.mark.parametrize("case", CASES)
 def test_megatron_gpu(launch, case):
-    failures = [f"--- rank {rank} ---\n{result[case]}" for rank, result in enumerate(launch) if result[case]]
-    assert not failures, f"EP_TEST_SEED={BASE_SEED}:\n" + "\n".join(failures)
+    assert_case_passed(launch, case, f"EP_TEST_SEED={BASE_SEED}")

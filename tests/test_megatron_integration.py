@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 import megatron_env
+from case_runner import assert_case_passed
 from ep_plugin.launch import parallel_launch
 
 pytestmark = pytest.mark.skipif(not megatron_env.megatron_core_installed(),
@@ -48,8 +49,7 @@ def launch(request):
 @pytest.mark.parametrize("case", CASES)
 def test_megatron(launch, case):
     layout, seed, results = launch
-    failures = [f"--- rank {rank} ---\n{result[case]}" for rank, result in enumerate(results) if result[case]]
-    assert not failures, f"EP_TEST_SEED={BASE_SEED} (seed {seed}), layout {layout}:\n" + "\n".join(failures)
+    assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED} (seed {seed}), layout {layout}")
 
 
 def test_launcher_registers_before_the_script(tmp_path):
