@@ -1,0 +1,202 @@
+"""vLLM integration (`--all2all-backend ep_plugin`) against the real vLLM 0.33 package, on CPU.
+
+The entry point is discovered and loaded by vLLM's plugin loader; `--all2all-backend ep_plugin`
+parses and validates; the manager and prepare/finalize classes are vLLM ABC subclasses with nothing
+abstract left; and on 2 gloo ranks (reference backend) vLLM's own distributed set-up, EP communicator,
+`maybe_make_prepare_finalize` and `FusedMoEKernel` run dense torch experts through our
+prepare/finalize, in both modes, bf16 and block-FP8, matching a single-process dense MoE. One process
+launch per mode. Data are random every run: set EP_TEST_SEED to replay one (failures print it).
+
+Skipped only where vLLM is not installed (.ci/install_vllm.sh installs it in CI).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (.ci/install_vllm.sh installs it)", allow_module_level=True)
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform, here and in spawned ranks
+
+import torch  # noqa: E402
+
+import vllm_moe_case as case_lib  # noqa: E402
+from ep_plugin.launch import parallel_launch  # noqa: E402
+
+BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+WORLD_SIZE = 2
+NUM_EXPERTS, TOP_K, INTERMEDIATE, MAX_TOKENS = 8, 3, 48, 16
+# Hidden sizes outside DeepEP's closed list: bf16 rows of 200 channels, FP8 with a partial last block.
+BF16_HIDDEN, FP8_HIDDEN = 200, 320
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """vLLM's own plugin loader, as every vLLM process runs it."""
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from ep_plugin.integrations.vllm import _patches
+    assert _patches._applied
+    return _patches
+
+
+# ---- discovery, CLI, validation -------------------------------------------------------------------------
+def test_entry_point_is_discovered():
+    from importlib.metadata import entry_points
+    found = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert "ep_plugin" in found, f"vllm.general_plugins entry points: {sorted(found)}"
+    assert found["ep_plugin"].value == "ep_plugin.integrations.vllm:register"
+    from ep_plugin.integrations.vllm import register
+    assert found["ep_plugin"].load() is register
+
+
+def test_cli_parses_and_validates(registered):
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--enable-expert-parallel", "--all2all-backend", "ep_plugin",
+                              "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.all2all_backend == "ep_plugin"
+    parallel = ParallelConfig(all2all_backend=engine_args.all2all_backend,
+                              enable_expert_parallel=engine_args.enable_expert_parallel,
+                              data_parallel_size=engine_args.data_parallel_size,
+                              tensor_parallel_size=engine_args.tensor_parallel_size)
+    assert parallel.all2all_backend == "ep_plugin"
+    assert parallel.use_all2all and parallel.use_sequence_parallel_moe
+    assert VllmConfig(parallel_config=parallel).parallel_config.all2all_backend == "ep_plugin"
+    # Built-in names still parse; unknown ones are still rejected by both.
+    assert parser.parse_args(["--all2all-backend", "deepep_low_latency"]).all2all_backend == "deepep_low_latency"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--all2all-backend", "ep_plugin_typo"])
+    with pytest.raises(ValueError, match="all2all_backend"):
+        ParallelConfig(all2all_backend="ep_plugin_typo")
+
+
+def test_register_is_idempotent(registered):
+    from vllm.config import ParallelConfig
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    before = (ParallelConfig.use_sequence_parallel_moe, all2all_utils.maybe_make_prepare_finalize)
+    registered.apply()
+    from ep_plugin.integrations.vllm import register
+    register()
+    assert (ParallelConfig.use_sequence_parallel_moe, all2all_utils.maybe_make_prepare_finalize) == before
+
+
+def test_version_check(monkeypatch):
+    from ep_plugin.integrations.vllm import VllmVersionError, _patches, check_version
+    assert check_version("0.33.0") == (0, 33, 0)
+    assert check_version("0.33.4+cu130") == (0, 33, 4)
+    monkeypatch.delenv(_patches.ALLOW_UNTESTED_ENV, raising=False)
+    for unknown in ("0.32.1", "0.34.0rc1", "1.0.0"):
+        with pytest.raises(VllmVersionError, match=unknown.split("rc")[0]):
+            check_version(unknown)
+    with pytest.raises(VllmVersionError, match="cannot parse"):
+        check_version("main")
+    monkeypatch.setenv(_patches.ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="0.34.0"):
+        check_version("0.34.0")
+
+
+# ---- interfaces and capability answers ---------------------------------------------------------------------
+def test_classes_satisfy_vllm_interfaces(registered):
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
+
+    from ep_plugin.integrations.vllm.manager import EpPluginAll2AllManager
+    from ep_plugin.integrations.vllm.prepare_finalize import (EpPluginLowLatencyPrepareAndFinalize,
+                                                              EpPluginPrepareAndFinalize)
+    assert issubclass(EpPluginAll2AllManager, All2AllManagerBase)
+    assert EpPluginAll2AllManager.get_handle is not All2AllManagerBase.get_handle
+    for cls in (EpPluginPrepareAndFinalize, EpPluginLowLatencyPrepareAndFinalize):
+        assert issubclass(cls, mk.FusedMoEPrepareAndFinalizeModular)
+        assert not cls.__abstractmethods__, f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} abstract"
+        for hook in ("prepare_async", "finalize_async"):
+            assert getattr(cls, hook) is not getattr(mk.FusedMoEPrepareAndFinalizeModular, hook)
+
+
+def _quant_config(kind: str):
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG, fp8_w8a8_moe_quant_config
+    ones = torch.ones(2, 1, 1)
+    return {
+        "unquantized": lambda: FUSED_MOE_UNQUANTIZED_CONFIG,
+        "block_fp8": lambda: fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, block_shape=[128, 128]),
+        "per_tensor_fp8": lambda: fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, a1_scale=torch.ones(1)),
+        "per_token_fp8": lambda: fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, per_act_token_quant=True),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind, expected", [("unquantized", "bf16"), ("block_fp8", "block_fp8")])
+def test_carried_quantisation(registered, kind, expected):
+    from ep_plugin.integrations.vllm.prepare_finalize import activation_transport
+    assert activation_transport(_quant_config(kind), defer_input_quant=False) == expected
+    assert activation_transport(_quant_config(kind), defer_input_quant=True) == "bf16"
+
+
+@pytest.mark.parametrize("kind", ["per_tensor_fp8", "per_token_fp8"])
+def test_uncarried_quantisation_is_rejected(registered, kind):
+    from ep_plugin.integrations.vllm.prepare_finalize import activation_transport
+    with pytest.raises(NotImplementedError, match="--all2all-backend"):
+        activation_transport(_quant_config(kind), defer_input_quant=False)
+    # Experts that quantise their own input get bf16, whatever their scheme.
+    assert activation_transport(_quant_config(kind), defer_input_quant=True) == "bf16"
+
+
+# ---- prepare -> dense experts -> finalize on 2 ranks ---------------------------------------------------------
+def _write_config(tmp_path, mode: str) -> str:
+    path = tmp_path / f"{mode}.yaml"
+    path.write_text(f"mode: {mode}\nbackend: reference\nlow_latency:\n  max_dispatch_tokens_per_rank: {MAX_TOKENS}\n")
+    return str(path)
+
+
+def _cases(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    common = dict(num_ranks=WORLD_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K, intermediate=INTERMEDIATE,
+                  max_tokens=MAX_TOKENS, generator=generator)
+    return [case_lib.make_case("bf16", False, hidden=BF16_HIDDEN, **common),
+            case_lib.make_case("block_fp8", True, hidden=FP8_HIDDEN, **common)]
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_prepare_experts_finalize_match_dense_moe(registered, tmp_path, mode):
+    seed = BASE_SEED + (0 if mode == "normal" else 1)
+    cases = _cases(seed)
+    results = parallel_launch(WORLD_SIZE, case_lib.run_rank, _write_config(tmp_path, mode), cases, MAX_TOKENS,
+                              timeout_s=240)
+    low_latency = mode == "low_latency"
+    for rank, result in enumerate(results):
+        facts = result["facts"]
+        assert facts["manager"] == "EpPluginAll2AllManager"
+        assert facts["oracle_sees_patch"], "the unquantized oracle still holds vLLM's own maybe_make_prepare_finalize"
+        assert facts["batched_format"] is low_latency
+        assert facts["pf_class"] == ("EpPluginLowLatencyPrepareAndFinalize" if low_latency
+                                     else "EpPluginPrepareAndFinalize")
+        assert facts["activation_format"] == ("BatchedExperts" if low_latency else "Standard")
+        assert facts["topk_indices_dtype"] == "torch.int64"
+        assert facts["max_num_tokens"] == (MAX_TOKENS if low_latency else None)
+        assert facts["num_dispatchers"] == WORLD_SIZE
+        assert facts["output_is_reduced"] is True and facts["supports_async"] is True
+        assert facts["backend"] == "reference"
+        # One buffer per distinct layer shape: the bf16 and FP8 cases differ in hidden size.
+        assert facts["num_buffers"] == 2 and facts["num_buffers_after_destroy"] == 0
+        for case in cases:
+            expected = case_lib.dense_moe(case.xs[rank], case.topk_ids[rank], case.topk_weights[rank], case.w1,
+                                          case.w2, case.block_fp8)
+            for path in ("kernel", "sync"):
+                dtype, shape, scales = facts[f"{case.name}/{path}/expert_input"]
+                hidden = case.xs[rank].size(1)
+                assert dtype == ("torch.float8_e4m3fn" if case.block_fp8 else "torch.bfloat16")
+                if low_latency:
+                    assert shape == (NUM_EXPERTS // WORLD_SIZE, WORLD_SIZE * MAX_TOKENS, hidden)
+                assert scales == ((*shape[:-1], -(-hidden // 128)) if case.block_fp8 else None)
+                out = torch.tensor(result["outputs"][f"{case.name}/{path}"], dtype=torch.float32)
+                assert out.shape == case.xs[rank].shape
+                torch.testing.assert_close(out, expected, rtol=3e-2, atol=3e-2,
+                                           msg=lambda m: f"{mode} {case.name} {path} rank {rank} "
+                                                         f"(EP_TEST_SEED={seed}): {m}")
