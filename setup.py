@@ -10,10 +10,16 @@ Environment:
     CUDAHOSTCXX                host compiler for nvcc
     EP_PLUGIN_SKIP_CUDA=1      install the pure-Python package only
     MAX_JOBS                   parallel nvcc processes
+    NVSHMEM_DIR                NVSHMEM (include/, lib/) for `ep_plugin._C_nvshmem`, the low-latency kernels
+                               (default: the nvidia-nvshmem-cu13 or -cu12 wheel; without NVSHMEM that module
+                               is skipped and everything else builds as before)
+    EP_PLUGIN_SKIP_NVSHMEM=1   do not build `ep_plugin._C_nvshmem`
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -61,8 +67,49 @@ def gencode_flags(archs: list[str]) -> list[str]:
     return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
 
 
+def _nvshmem_roots() -> list[Path]:
+    """Candidate NVSHMEM installations: $NVSHMEM_DIR, then the nvidia-nvshmem-cu13/-cu12 wheels."""
+    roots = [Path(os.environ["NVSHMEM_DIR"])] if os.environ.get("NVSHMEM_DIR") else []
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")  # both wheels install nvidia/nvshmem
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p) for p in spec.submodule_search_locations]
+    return roots
+
+
+def _host_library(lib_dir: Path) -> Path | None:
+    """libnvshmem_host.so.N (the wheels ship only the versioned name), else libnvshmem_host.so."""
+    versioned = [p for p in lib_dir.glob("libnvshmem_host.so.*") if re.fullmatch(r"libnvshmem_host\.so\.\d+", p.name)]
+    if versioned:
+        return max(versioned, key=lambda p: int(p.name.rsplit(".", 1)[1]))
+    plain = lib_dir / "libnvshmem_host.so"
+    return plain if plain.exists() else None
+
+
+def find_nvshmem() -> tuple[Path, Path, Path] | None:
+    """(include dir, lib dir, host library) of the first complete NVSHMEM, or None."""
+    for root in _nvshmem_roots():
+        include = root / "include"
+        for lib_dir in (root / "lib", root / "lib64"):
+            host = _host_library(lib_dir) if lib_dir.is_dir() else None
+            if (include / "nvshmem.h").exists() and (lib_dir / "libnvshmem_device.a").exists() and host:
+                return include, lib_dir, host
+    return None
+
+
 class CudaExtension(Extension):
     """An extension whose .cu sources go through nvcc."""
+
+
+class NvshmemExtension(CudaExtension):
+    """A CUDA extension with NVSHMEM device code: relocatable device code, a device-link step against
+    libnvshmem_device.a, and the host library linked by its full (versioned) path with an rpath."""
+
+    def __init__(self, name: str, sources: list[str], nvshmem: tuple[Path, Path, Path]) -> None:
+        super().__init__(name, sources=sources)
+        self.nvshmem_include, self.nvshmem_lib, self.nvshmem_host = nvshmem
 
 
 class NvccBuildExt(build_ext):
@@ -71,14 +118,19 @@ class NvccBuildExt(build_ext):
             return super().build_extension(ext)
         cuda_home = find_cuda_home()
         nvcc = str(cuda_home / "bin" / "nvcc")
-        build_temp = Path(self.build_temp) / "ep_plugin_C"
+        build_temp = Path(self.build_temp) / ext.name.replace("ep_plugin.", "ep_plugin")
         build_temp.mkdir(parents=True, exist_ok=True)
         include_dirs = [str(CSRC), str(cuda_home / "include"), str(cuda_home / "include" / "cccl")]
+        with_nvshmem = isinstance(ext, NvshmemExtension)
+        if with_nvshmem:
+            include_dirs.append(str(ext.nvshmem_include))
         cu_sources = [s for s in ext.sources if s.endswith(".cu")]
         cpp_sources = [s for s in ext.sources if not s.endswith(".cu")]
 
         nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
                       *gencode_flags(cuda_archs()), *[f"-I{d}" for d in include_dirs]]
+        if with_nvshmem:
+            nvcc_flags.append("-rdc=true")  # NVSHMEM's device API lives in libnvshmem_device.a
         if os.environ.get("CUDAHOSTCXX"):
             nvcc_flags += ["-ccbin", os.environ["CUDAHOSTCXX"]]
 
@@ -93,6 +145,20 @@ class NvccBuildExt(build_ext):
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             objects = list(pool.map(compile_cu, cu_sources))
 
+        extra_link = []
+        if with_nvshmem:
+            # Device link: resolve the kernels' NVSHMEM device calls against libnvshmem_device.a.
+            dlink = str(build_temp / "device_link.o")
+            cmd = [nvcc, "-dlink", "-Xcompiler", "-fPIC", *gencode_flags(cuda_archs()), *objects,
+                   f"-L{ext.nvshmem_lib}", "-lnvshmem_device", "-o", dlink]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            objects.append(dlink)
+            # Host link: the device library's host part, then the host library by its versioned path
+            # (the wheels ship no unversioned .so), found again at run time through the rpath.
+            extra_link = [str(ext.nvshmem_lib / "libnvshmem_device.a"), str(ext.nvshmem_host),
+                          f"-Wl,-rpath,{ext.nvshmem_lib}"]
+
         import pybind11
 
         objects += self.compiler.compile(
@@ -103,6 +169,7 @@ class NvccBuildExt(build_ext):
             objects, self.get_ext_fullpath(ext.name),
             library_dirs=[str(cuda_home / "lib64"), str(cuda_home / "lib64" / "stubs")],
             libraries=["cudart_static", "rt", "pthread", "dl"],
+            extra_postargs=extra_link,
             target_lang="c++")
 
 
@@ -120,9 +187,27 @@ def extensions() -> list[Extension]:
         print("ep_plugin: no CUDA toolkit found (nvcc), installing the pure-Python package only: "
               "the reference backend works, the native kernels are not built")
         return []
-    sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
+    # Low-latency kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
+    kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
+    sources = [s for s in kernels if not Path(s).name.startswith("low_latency_")]
     sources += ["csrc/runtime.cu", "csrc/python_api.cpp"]
-    return [CudaExtension("ep_plugin._C", sources=sources)]
+    return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
+
+
+def nvshmem_extensions(kernels: list[str]) -> list[Extension]:
+    """`ep_plugin._C_nvshmem` (low-latency mode) where NVSHMEM is found, else nothing."""
+    if os.environ.get("EP_PLUGIN_SKIP_NVSHMEM") == "1":
+        print("ep_plugin: EP_PLUGIN_SKIP_NVSHMEM=1, not building ep_plugin._C_nvshmem (native low-latency mode)")
+        return []
+    nvshmem = find_nvshmem()
+    if nvshmem is None:
+        print("ep_plugin: NVSHMEM not found (set NVSHMEM_DIR or pip install nvidia-nvshmem-cu13): not building "
+              "ep_plugin._C_nvshmem; low-latency mode uses the reference backend")
+        return []
+    print(f"ep_plugin: building ep_plugin._C_nvshmem against NVSHMEM at {nvshmem[1].parent} ({nvshmem[2].name})")
+    sources = [s for s in kernels if Path(s).name.startswith("low_latency_")]
+    sources += ["csrc/nvshmem_runtime.cu", "csrc/python_api_nvshmem.cpp"]
+    return [NvshmemExtension("ep_plugin._C_nvshmem", sources=sources, nvshmem=nvshmem)]
 
 
 setup(

@@ -16,13 +16,21 @@ enum ErrorCode : int32_t {
   kErrTooManyRecvTokens = 3,
 };
 
-enum OpCode : int32_t { kOpNotify = 1, kOpDispatch = 2, kOpCombine = 3, kOpLayout = 4 };
+enum OpCode : int32_t {
+  kOpNotify = 1,
+  kOpDispatch = 2,
+  kOpCombine = 3,
+  kOpLayout = 4,
+  kOpLowLatencyDispatch = 5,  // `channel` of the report is the global expert id
+  kOpLowLatencyCombine = 6,   // `channel` of the report is the global expert id
+};
 
 enum WaitKind : int32_t {
   kWaitBarrier = 1,    // notify: a peer has not written its counts
   kWaitFreeSlot = 2,   // sender: the peer has not consumed the ring
   kWaitData = 3,       // receiver: the peer has not sent the next token
   kWaitDrain = 4,      // sender: the peer has not consumed the last tokens
+  kWaitExpertMessages = 5,  // low-latency receiver: the peer's messages (or count) for an expert
 };
 
 struct DeviceStatus {

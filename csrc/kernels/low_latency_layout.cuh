@@ -1,0 +1,300 @@
+// Low-latency mode: how the symmetric (NVSHMEM) buffer is carved, the signal-word protocol, and
+// the Args struct + launcher of each kernel family. The single source of truth for the size hint
+// (ep_plugin/tuning.py mirrors `LowLatencyLayout::total_bytes`; a test keeps both equal).
+//
+// Buffer of num_rdma_bytes, identical on every PE (symmetric):
+//
+//   [ signal header: kHeaderBytes                                                      ]
+//   [ round 0: at kHeaderBytes                    | round 1: at kHeaderBytes + stride   ]
+//   stride = round_stride(num_rdma_bytes): the two rounds never overlap, whatever the sizes of a call.
+//
+// Signal header, per round r (fixed offsets, independent of the call's sizes, all zero at rest):
+//   dispatch_signals[kMaxExperts]  u64, index local_expert * R + src_rank: written by src_rank
+//   combine_signals[kMaxExperts]   u64, index expert_rank * E_local + local_expert (= global expert)
+//   RoundState                     local bookkeeping of this PE (never written by a peer)
+//
+// One round (sizes for T_max tokens, hidden H, R ranks, E experts, E_local = E / R):
+//   dispatch_recv  [E_local][R][T_max] messages of msg_bytes = 16-byte header + payload
+//                  (the combine reuses it as its send staging / zero-copy buffer, viewed as a dense
+//                  [E_local][R * T_max][H] bf16 tensor: E * T_max * 2H <= its size)
+//   combine_recv   [T_max][kMaxTopk] rows of 2H bytes: the expert output for (token, top-k slot)
+//   dispatch_send  [T_max] token payloads (cast once), then [T_max][kMaxTopk] staged messages
+//                  for peers reached over the network (a put needs its source in symmetric memory)
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "../common/status.h"
+
+namespace ep_plugin::low_latency {
+
+constexpr int kMaxTopk = 32;          // top-k slots per token in combine_recv (= ep_plugin.tuning.MAX_TOPK)
+constexpr int kMaxExperts = 65536;    // signal words reserved per round and kind
+constexpr int kMaxRanks = 1024;       // PEs of one low-latency group (shared-memory tables)
+constexpr int kMaxTokens = 65536;     // T_max: a source index t * kMaxTopk + k must fit kSourceRowBits
+constexpr int kSourceRowBits = 21;    // recv_src_info = src_rank << 21 | (t * kMaxTopk + k)
+constexpr int kFp8BlockSize = 128;    // channels per FP8 scale
+constexpr int kMsgHeaderBytes = 16;   // MessageHeader
+constexpr int kThreads = 512;         // threads of every low-latency kernel block
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kAreaAlign = 128;
+
+enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
+
+// First 16 bytes of a dispatch message.
+struct MessageHeader {
+  int32_t src_token;  // token index on the source rank
+  int32_t topk_slot;  // k: the column of topk_idx that selected this expert
+  int32_t reserved[2];
+};
+static_assert(sizeof(MessageHeader) == kMsgHeaderBytes, "MessageHeader must stay 16 bytes");
+
+// Local bookkeeping of one round; lives in the header so that it is zero at start.
+struct RoundState {
+  uint32_t combine_blocks_done;  // combine receive blocks that have read every signal they need
+  int32_t error_claim;           // round 0's: the first device error of this PE claims it
+  uint32_t reserved[30];
+};
+static_assert(sizeof(RoundState) == 128, "RoundState must stay 128 bytes");
+
+__host__ __device__ constexpr int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+constexpr int64_t kSignalWordsPerRound = 2LL * kMaxExperts;
+constexpr int64_t kRoundHeaderBytes = align_up(kSignalWordsPerRound * 8 + sizeof(RoundState), 4096);
+constexpr int64_t kHeaderBytes = 2 * kRoundHeaderBytes;
+
+// ---- signal words ------------------------------------------------------------------------------
+// One u64 per (receiver, expert, sender) and round: every message adds 1 (bits 0..31, arrivals);
+// the sender adds kFinishBit | count << 32 once, when it knows how many messages it sends. The
+// additions commute, so the word is complete exactly when the finish bit is set and the arrivals
+// equal the announced count. The receiver resets the word to 0 once it has consumed the round.
+constexpr uint64_t kFinishBit = 1ull << 63;
+
+__host__ __device__ constexpr uint64_t count_signal(uint32_t count) {
+  return kFinishBit | (static_cast<uint64_t>(count) << 32);
+}
+__host__ __device__ constexpr uint32_t signal_expected(uint64_t word) {
+  return static_cast<uint32_t>(word >> 32) & 0x7fffffffu;
+}
+__host__ __device__ constexpr uint32_t signal_arrived(uint64_t word) { return static_cast<uint32_t>(word); }
+__host__ __device__ constexpr bool signal_complete(uint64_t word) {
+  return (word & kFinishBit) != 0 && signal_expected(word) == signal_arrived(word);
+}
+
+// ---- the buffer --------------------------------------------------------------------------------
+// Bytes between the starts of round 0 and round 1 in a buffer of `num_bytes`.
+__host__ __device__ inline int64_t round_stride(int64_t num_bytes) {
+  const int64_t data = num_bytes > kHeaderBytes ? num_bytes - kHeaderBytes : 0;
+  return data / 2 / kAreaAlign * kAreaAlign;
+}
+
+struct LowLatencyLayout {
+  int num_max_tokens;  // T_max
+  int hidden;          // H (bf16 elements per token)
+  int num_ranks;       // R
+  int num_experts;     // E (divisible by R)
+
+  __host__ __device__ int num_local_experts() const { return num_experts / num_ranks; }
+  __host__ __device__ int num_slots() const { return num_ranks * num_max_tokens; }  // per local expert
+  __host__ __device__ int num_scales() const { return (hidden + kFp8BlockSize - 1) / kFp8BlockSize; }
+  __host__ __device__ int num_ue8m0_words() const { return (num_scales() + 3) / 4; }
+  __host__ __device__ int64_t row_bytes() const { return 2LL * hidden; }  // bf16 token
+  // FP8 payload: H bytes, then the float scales at fp8_scales_offset().
+  __host__ __device__ int64_t fp8_scales_offset() const { return align_up(hidden, 16); }
+  __host__ __device__ int64_t payload_bytes() const {
+    const int64_t bf16 = align_up(row_bytes(), 16);
+    const int64_t fp8 = fp8_scales_offset() + align_up(4LL * num_scales(), 16);
+    return bf16 > fp8 ? bf16 : fp8;
+  }
+  __host__ __device__ int64_t msg_bytes() const { return kMsgHeaderBytes + payload_bytes(); }
+  // Payload bytes a message carries: the bf16 row, or the FP8 row and its scales.
+  __host__ __device__ int64_t used_payload_bytes(bool use_fp8) const {
+    return use_fp8 ? fp8_scales_offset() + align_up(4LL * num_scales(), 16) : row_bytes();
+  }
+
+  // Areas of one round: size formulas.
+  // dispatch_recv = E_local * R * T_max * msg_bytes
+  __host__ __device__ int64_t dispatch_recv_bytes() const {
+    return align_up(static_cast<int64_t>(num_experts) * num_max_tokens * msg_bytes(), kAreaAlign);
+  }
+  // combine_recv = T_max * kMaxTopk * 2H
+  __host__ __device__ int64_t combine_recv_bytes() const {
+    return align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * row_bytes(), kAreaAlign);
+  }
+  // dispatch_send = T_max * payload_bytes (token payloads) + T_max * kMaxTopk * msg_bytes (staged messages)
+  __host__ __device__ int64_t token_payloads_bytes() const {
+    return align_up(static_cast<int64_t>(num_max_tokens) * payload_bytes(), kAreaAlign);
+  }
+  __host__ __device__ int64_t dispatch_send_bytes() const {
+    return token_payloads_bytes() +
+           align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * msg_bytes(), kAreaAlign);
+  }
+  __host__ __device__ int64_t round_bytes() const {
+    return dispatch_recv_bytes() + combine_recv_bytes() + dispatch_send_bytes();
+  }
+  // Bytes a buffer needs (Buffer.get_low_latency_rdma_size_hint).
+  __host__ __device__ int64_t total_bytes() const { return kHeaderBytes + 2 * round_bytes(); }
+
+  // Offsets inside a round.
+  __host__ __device__ int64_t dispatch_recv_offset() const { return 0; }
+  __host__ __device__ int64_t combine_recv_offset() const { return dispatch_recv_bytes(); }
+  __host__ __device__ int64_t token_payloads_offset() const { return combine_recv_offset() + combine_recv_bytes(); }
+  __host__ __device__ int64_t staged_messages_offset() const { return token_payloads_offset() + token_payloads_bytes(); }
+
+  // Message of (local expert, source rank, slot) inside dispatch_recv.
+  __host__ __device__ int64_t recv_message_offset(int local_expert, int src_rank, int slot) const {
+    return ((static_cast<int64_t>(local_expert) * num_ranks + src_rank) * num_max_tokens + slot) * msg_bytes();
+  }
+};
+
+// Every round's pieces, as local symmetric addresses (valid as `dest` of NVSHMEM calls).
+struct RoundPointers {
+  uint64_t* dispatch_signals;  // [kMaxExperts]
+  uint64_t* combine_signals;   // [kMaxExperts]
+  RoundState* state;
+  uint8_t* data;               // start of the round's areas
+};
+
+__host__ __device__ inline RoundPointers round_pointers(void* buffer, int64_t num_bytes, int parity) {
+  uint8_t* base = static_cast<uint8_t*>(buffer);
+  uint8_t* header = base + parity * kRoundHeaderBytes;
+  RoundPointers p;
+  p.dispatch_signals = reinterpret_cast<uint64_t*>(header);
+  p.combine_signals = reinterpret_cast<uint64_t*>(header) + kMaxExperts;
+  p.state = reinterpret_cast<RoundState*>(header + kSignalWordsPerRound * 8);
+  p.data = base + kHeaderBytes + parity * round_stride(num_bytes);
+  return p;
+}
+
+// ---- kernel families ---------------------------------------------------------------------------
+// Fields marked (runtime) are filled by LowLatencyRuntime; the rest by the caller.
+struct DispatchArgs {
+  LowLatencyLayout layout;
+  RoundPointers round;              // (runtime) this call's round
+  int rank;                         // (runtime)
+  int num_blocks;                   // (runtime) <= SMs: the fused send + receive needs every block resident
+  int phases;                       // kPhaseSend | kPhaseRecv
+  DeviceStatus* status;             // (runtime)
+  int* error_claim;                 // (runtime)
+  uint64_t timeout_ns;              // (runtime)
+  // Send.
+  const void* x;                    // [T, H] bf16
+  const int64_t* topk_idx;          // [T, K]
+  int num_tokens, num_topk;
+  bool use_fp8, round_scale, use_ue8m0;
+  // Receive.
+  void* recv_x;                     // [E_local, R * T_max, H] bf16, or fp8 bytes
+  void* recv_scales;                // fp8: float [E_local, S, R * T_max] or int32 [E_local, W, R * T_max]
+  int32_t* recv_count;              // [E_local]
+  int32_t* recv_src_info;           // [E_local, R * T_max]: src_rank << 21 | (t * kMaxTopk + k)
+  int64_t* recv_layout;             // [E_local, R]: first slot << 32 | count, per source rank
+  int32_t* cumulative_stats;        // [E_local] or nullptr
+};
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+
+struct CombineArgs {
+  LowLatencyLayout layout;
+  RoundPointers round;              // (runtime) the round of the matching dispatch
+  int rank;                         // (runtime)
+  int num_blocks;                   // (runtime)
+  int phases;
+  DeviceStatus* status;             // (runtime)
+  int* error_claim;                 // (runtime)
+  uint64_t timeout_ns;              // (runtime)
+  // Send (the expert side).
+  const void* x;                    // [E_local, R * T_max, H] bf16: expert outputs in dispatch's slots
+  bool x_is_staging;                // zero_copy: x is this round's dispatch_recv area itself
+  const int32_t* recv_src_info;     // from the dispatch
+  const int64_t* recv_layout;       // from the dispatch
+  // Receive (the token side).
+  const int64_t* topk_idx;          // [T, K]: ids of the dispatch; -1 masks an entry
+  const float* topk_weights;        // [T, K]
+  int num_tokens, num_topk;
+  void* out;                        // [T, H] bf16
+};
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+}  // namespace ep_plugin::low_latency
+
+// ---- device helpers shared by low_latency_dispatch.cu and low_latency_combine.cu ----------------
+// Only NVSHMEM's standard device API: nvshmem_ptr for peers that NVLink reaches (direct stores),
+// put-with-signal and signal operations for every other transport.
+#if defined(__CUDACC__)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "../common/device_status.cuh"
+#include "../common/ptx.cuh"
+
+namespace ep_plugin::low_latency {
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
+  int2 v;
+  asm volatile("ld.global.cg.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Spins (one thread) until `word` is complete; returns it. Through Deadline: past timeout_s it
+// reports rank, peer and expert (the report's channel) and traps.
+__device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const WaitSite& site, int peer) {
+  Deadline deadline(site);
+  while (true) {
+    const uint64_t value = ld_acquire_sys(word);
+    if (signal_complete(value)) return value;
+    const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
+    deadline.check(kWaitExpertMessages, peer, expected, signal_arrived(value));
+  }
+}
+
+// Warp copy of `bytes` (a multiple of 16) from local memory to `dst` (local or a peer's mapping).
+// kReadOnlySource: `src` is not written during this kernel (user inputs), so the non-coherent
+// path may read it; otherwise (data written by this kernel) plain loads.
+template <bool kReadOnlySource>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes) {
+  int4* d = static_cast<int4*>(dst);
+  const int4* s = static_cast<const int4*>(src);
+  const int64_t units = bytes / 16;
+  for (int64_t i = lane_id(); i < units; i += 32) st_na_v4(d + i, kReadOnlySource ? ld_nc_v4(s + i) : s[i]);
+}
+
+// After the warp has stored a message straight into `pe`'s memory: add 1 to `signal` (symmetric
+// address) there. Warp-collective.
+// NOTE: the warp barrier orders every lane's stores before lane 0's release, and the release at
+// system scope makes them visible to the peer before the increment: a reader that acquires the
+// word and sees the increment sees the bytes.
+__device__ __forceinline__ void publish_direct(uint64_t* signal, int pe) {
+  __syncwarp();
+  if (lane_id() == 0) red_add_release_sys(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), 1);
+  __syncwarp();
+}
+
+// Sends `bytes` from the local symmetric `src` to the symmetric `dst` on `pe` and adds 1 to
+// `signal` there once the bytes are delivered (NVSHMEM's put-with-signal). Warp-collective.
+// NOTE: the network reads `src` from memory: every lane's stores to it are made visible at system
+// scope before the put is issued.
+__device__ __forceinline__ void put_with_signal(void* dst, const void* src, int64_t bytes, uint64_t* signal, int pe) {
+  __threadfence_system();
+  __syncwarp();
+  nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), signal, 1, NVSHMEM_SIGNAL_ADD, pe);
+}
+
+// Announces `count` messages on `signal` (symmetric) of `pe`. One thread; no ordering needed
+// (the receiver compares the arrivals with the count).
+__device__ __forceinline__ void announce_count(uint64_t* signal, uint32_t count, int pe) {
+  nvshmemx_signal_op(signal, count_signal(count), NVSHMEM_SIGNAL_ADD, pe);
+}
+
+}  // namespace ep_plugin::low_latency
+#endif  // __CUDACC__

@@ -1,0 +1,267 @@
+#include "nvshmem_runtime.cuh"
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "common/exception.cuh"
+
+namespace ep_plugin {
+namespace {
+
+using low_latency::LowLatencyLayout;
+
+// Process-wide NVSHMEM state (NVSHMEM itself is a process-wide singleton).
+std::mutex g_nvshmem_mutex;
+int g_live_runtimes = 0;   // runtimes holding NVSHMEM initialised
+int g_pe = -1;             // rank and PE count of the first initialisation
+int g_num_pes = -1;
+
+void initialise_nvshmem(int rank, int num_ranks, const std::string& unique_id) {
+  EP_CHECK_ARG(unique_id.size() == sizeof(nvshmemx_uniqueid_t),
+               "the NVSHMEM unique id must have " << sizeof(nvshmemx_uniqueid_t) << " bytes, got " << unique_id.size());
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  EP_HOST_ASSERT(nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) == 0,
+                 "nvshmemx_set_attr_uniqueid_args failed (rank " << rank << " of " << num_ranks << ")");
+  // NOTE: what nvshmemx_init_attr does, minus its exit() on failure: a library reports errors.
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  int provided = 0;
+  const int status =
+      nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+  if (status != 0) {
+    std::ostringstream out;
+    out << "NVSHMEM initialisation failed on rank " << rank << " of " << num_ranks << " (status " << status
+        << "); run with NVSHMEM_DEBUG=INFO for details " << "[" << where(__FILE__, __LINE__) << "]";
+    throw Error(out.str());
+  }
+}
+
+const char* op_name(int op) {
+  switch (op) {
+    case kOpLowLatencyDispatch: return "low_latency_dispatch";
+    case kOpLowLatencyCombine: return "low_latency_combine";
+    default: return "a low-latency kernel";
+  }
+}
+
+}  // namespace
+
+std::string LowLatencyRuntime::create_unique_id() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  EP_HOST_ASSERT(nvshmemx_get_uniqueid(&id) == 0, "nvshmemx_get_uniqueid failed");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s,
+                                     const std::string& unique_id)
+    : rank_(rank), num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
+  EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= low_latency::kMaxRanks,
+               "low-latency mode supports 1 to " << low_latency::kMaxRanks << " ranks, got " << num_ranks);
+  EP_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank " << rank << " out of range for " << num_ranks << " ranks");
+  EP_CHECK_ARG(num_rdma_bytes > low_latency::kHeaderBytes,
+               "num_rdma_bytes must exceed the low-latency signal header of " << low_latency::kHeaderBytes
+                                                                              << " bytes (got " << num_rdma_bytes
+                                                                              << "); see get_low_latency_rdma_size_hint");
+  EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
+  timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
+  CUDA_CHECK(cudaGetDevice(&device_));
+  int num_sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
+  num_blocks_ = num_sms;  // one resident block per SM (the fused send + receive needs all of them)
+
+  {
+    std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
+    if (g_live_runtimes == 0 && g_pe < 0) {
+      initialise_nvshmem(rank, num_ranks, unique_id);
+    } else {
+      EP_CHECK_ARG(g_pe == rank && g_num_pes == num_ranks,
+                   "NVSHMEM was initialised in this process as PE " << g_pe << " of " << g_num_pes
+                   << "; a low-latency Buffer for rank " << rank << " of " << num_ranks
+                   << " needs a new process (NVSHMEM keeps its first bootstrap)");
+      if (g_live_runtimes == 0) initialise_nvshmem(rank, num_ranks, unique_id);
+    }
+    if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
+      std::ostringstream out;
+      out << "NVSHMEM in this process is PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes() << ", but the group "
+          << "has this rank as " << rank << " of " << num_ranks << " (was NVSHMEM initialised by another library?)";
+      throw Error(out.str());
+    }
+    g_pe = rank;
+    g_num_pes = num_ranks;
+    ++g_live_runtimes;
+  }
+
+  // Collective: every PE allocates the same size.
+  buffer_ = nvshmem_malloc(static_cast<size_t>(num_rdma_bytes));
+  if (buffer_ == nullptr) {
+    std::ostringstream out;
+    out << "nvshmem_malloc(" << num_rdma_bytes << ") failed on rank " << rank
+        << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first low-latency "
+        << "Buffer of the process)";
+    throw Error(out.str());
+  }
+  // NOTE: signal words must be zero on every PE before any peer can add to them: zero, wait for
+  // the device, then barrier.
+  CUDA_CHECK(cudaMemset(buffer_, 0, low_latency::kHeaderBytes));
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(static_cast<void*>(status_host_), 0, sizeof(DeviceStatus));
+  status_host_->bad_input_rank = -1;
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();
+  watchdog_ = std::thread([this] { watch_for_device_errors(); });
+}
+
+LowLatencyRuntime::~LowLatencyRuntime() {
+  try {
+    destroy(false);
+  } catch (...) {  // NOTE: never throw from a destructor
+  }
+}
+
+void LowLatencyRuntime::watch_for_device_errors() {
+  while (!stop_watchdog_.load()) {
+    if (status_host_->error_code != kErrNone) {
+      std::fprintf(stderr, "ep_plugin: a low-latency kernel stopped on rank %d: %s\n", rank_,
+                   describe_device_error().c_str());
+      std::fflush(stderr);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void LowLatencyRuntime::destroy(bool collective) {
+  if (status_host_ == nullptr) return;
+  stop_watchdog_.store(true);
+  if (watchdog_.joinable()) watchdog_.join();
+  cudaDeviceSynchronize();
+  if (collective) {
+    nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
+    nvshmem_free(buffer_);
+    std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
+    if (--g_live_runtimes == 0) nvshmem_finalize();
+  }
+  // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
+  buffer_ = nullptr;
+  cudaFreeHost(static_cast<void*>(status_host_));
+  status_host_ = status_device_ = nullptr;
+}
+
+void LowLatencyRuntime::require_alive() const {
+  EP_HOST_ASSERT(status_host_ != nullptr && buffer_ != nullptr, "the low-latency runtime has been destroyed");
+  check_device_error();
+}
+
+std::vector<bool> LowLatencyRuntime::direct_peers() const {
+  require_alive();
+  std::vector<bool> direct(num_ranks_);
+  for (int pe = 0; pe < num_ranks_; ++pe) direct[pe] = nvshmem_ptr(buffer_, pe) != nullptr;
+  return direct;
+}
+
+void LowLatencyRuntime::check_layout(const LowLatencyLayout& layout, const char* op) const {
+  EP_CHECK_ARG(layout.num_ranks == num_ranks_,
+               op << ": the layout is for " << layout.num_ranks << " ranks, the buffer for " << num_ranks_);
+  EP_CHECK_ARG(layout.num_max_tokens >= 1 && layout.num_max_tokens <= low_latency::kMaxTokens,
+               op << ": num_max_dispatch_tokens_per_rank must be in [1, " << low_latency::kMaxTokens << "], got "
+                  << layout.num_max_tokens);
+  EP_CHECK_ARG(layout.hidden > 0 && layout.hidden % 8 == 0,
+               op << ": hidden must be a positive multiple of 8 (16-byte bf16 rows), got " << layout.hidden);
+  EP_CHECK_ARG(layout.num_experts > 0 && layout.num_experts % num_ranks_ == 0 &&
+                   layout.num_experts <= low_latency::kMaxExperts,
+               op << ": num_experts must be a multiple of " << num_ranks_ << " and at most "
+                  << low_latency::kMaxExperts << ", got " << layout.num_experts);
+  const int64_t needed = layout.total_bytes();
+  EP_CHECK_ARG(layout.round_bytes() <= low_latency::round_stride(num_rdma_bytes_),
+               op << " needs num_rdma_bytes >= " << needed << " for T_max=" << layout.num_max_tokens << ", hidden="
+                  << layout.hidden << ", num_experts=" << layout.num_experts << ", but the buffer has "
+                  << num_rdma_bytes_ << " (Buffer.get_low_latency_rdma_size_hint)");
+}
+
+void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream) {
+  require_alive();
+  check_layout(args.layout, "low_latency_dispatch");
+  EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
+  EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
+               "x has " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "
+                        << args.layout.num_max_tokens);
+  EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= low_latency::kMaxTopk,
+               "top-k must be in [1, " << low_latency::kMaxTopk << "], got " << args.num_topk);
+  EP_CHECK_ARG(!args.use_ue8m0 || (args.use_fp8 && args.round_scale), "use_ue8m0 needs use_fp8 and round_scale");
+  args.round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  args.rank = rank_;
+  args.num_blocks = num_blocks_;
+  args.status = status_device_;
+  args.error_claim = &low_latency::round_pointers(buffer_, num_rdma_bytes_, 0).state->error_claim;
+  args.timeout_ns = timeout_ns_;
+  low_latency::launch_dispatch(args, stream);
+}
+
+void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaStream_t stream) {
+  require_alive();
+  check_layout(args.layout, "low_latency_combine");
+  EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
+  EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
+               "combine for " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "
+                              << args.layout.num_max_tokens);
+  EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= low_latency::kMaxTopk,
+               "top-k must be in [1, " << low_latency::kMaxTopk << "], got " << args.num_topk);
+  args.round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  args.rank = rank_;
+  args.num_blocks = num_blocks_;
+  args.status = status_device_;
+  args.error_claim = &low_latency::round_pointers(buffer_, num_rdma_bytes_, 0).state->error_claim;
+  args.timeout_ns = timeout_ns_;
+  args.x_is_staging = reinterpret_cast<uintptr_t>(args.x) == combine_buffer_address(parity, args.layout);
+  low_latency::launch_combine(args, stream);
+}
+
+uintptr_t LowLatencyRuntime::combine_buffer_address(int parity, const LowLatencyLayout& layout) const {
+  require_alive();
+  check_layout(layout, "get_next_low_latency_combine_buffer");
+  EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
+  const low_latency::RoundPointers round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  return reinterpret_cast<uintptr_t>(round.data + layout.dispatch_recv_offset());
+}
+
+void LowLatencyRuntime::clean(cudaStream_t stream) {
+  require_alive();
+  CUDA_CHECK(cudaMemsetAsync(buffer_, 0, low_latency::kHeaderBytes, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+std::string LowLatencyRuntime::describe_device_error() const {
+  const DeviceStatus& s = *status_host_;
+  std::ostringstream out;
+  if (s.error_code == kErrTimeout) {
+    out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
+        << " waited for peer " << s.error_peer << " (expert " << s.error_channel << ", warp " << s.error_warp
+        << ") for its messages of that expert; announced count " << s.error_expected << " (-1: none yet), arrived "
+        << s.error_observed << ". Every rank must make the same sequence of low-latency calls, and call each "
+        << "receive hook.";
+  } else if (s.error_code == kErrTooManyRecvTokens) {
+    out << "rank " << s.error_rank << " sent more than num_max_dispatch_tokens_per_rank = " << s.error_expected
+        << " messages to expert " << s.error_channel << " (a token selected one expert twice?); the extra messages "
+        << "were dropped";
+  } else {
+    out << "device error code " << s.error_code;
+  }
+  return out.str();
+}
+
+void LowLatencyRuntime::check_device_error() const {
+  if (status_host_ != nullptr && status_host_->error_code != kErrNone)
+    throw Error("ep_plugin: a low-latency kernel stopped on rank " + std::to_string(rank_) + ": " +
+                describe_device_error());
+}
+
+}  // namespace ep_plugin

@@ -1,0 +1,77 @@
+// LowLatencyRuntime: this PE's NVSHMEM state and symmetric buffer, and the host side of the
+// low-latency kernels. Host-safe header (no NVSHMEM or device code): the binding includes it.
+//
+// NVSHMEM is process-wide: it is initialised by the first runtime of a process (unique id from the
+// group's rank 0, every rank a PE, the CUDA device already set) and finalised when the last one is
+// destroyed collectively. A later runtime must use the same rank and PE count: NVSHMEM keeps its
+// first bootstrap for the life of the process.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/low_latency_layout.cuh"
+
+namespace ep_plugin {
+
+class LowLatencyRuntime {
+ public:
+  // A fresh NVSHMEM unique id (bytes), to be created on rank 0 and sent to every rank.
+  static std::string create_unique_id();
+
+  // Collective over the group's ranks: initialises NVSHMEM if needed, allocates `num_rdma_bytes`
+  // of symmetric memory and zeroes its signal header.
+  LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, const std::string& unique_id);
+  ~LowLatencyRuntime();
+  LowLatencyRuntime(const LowLatencyRuntime&) = delete;
+  LowLatencyRuntime& operator=(const LowLatencyRuntime&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int num_blocks() const { return num_blocks_; }
+  int64_t num_rdma_bytes() const { return num_rdma_bytes_; }
+  // Whether each PE is reached with direct stores (NVLink / same GPU) rather than the network.
+  std::vector<bool> direct_peers() const;
+
+  // Fill the runtime-owned fields of the Args for round `parity` and launch.
+  void dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream);
+  void combine(low_latency::CombineArgs args, int parity, cudaStream_t stream);
+
+  // Address of round `parity`'s dispatch_recv area: the [E_local, R * T_max, H] bf16 tensor that
+  // low_latency_combine(zero_copy=True) sends from.
+  uintptr_t combine_buffer_address(int parity, const low_latency::LowLatencyLayout& layout) const;
+
+  // Zero every signal word and the round state on this PE (the caller synchronises the group
+  // before and after).
+  void clean(cudaStream_t stream);
+
+  // Collective: free the symmetric buffer (and finalise NVSHMEM with the last runtime). Not
+  // collective (from a destructor): only local resources; the symmetric memory stays allocated.
+  void destroy(bool collective);
+
+  void check_device_error() const;
+
+ private:
+  void require_alive() const;
+  void check_layout(const low_latency::LowLatencyLayout& layout, const char* op) const;
+  std::string describe_device_error() const;
+  void watch_for_device_errors();
+
+  int rank_, num_ranks_, device_ = 0, num_blocks_ = 0;
+  int64_t num_rdma_bytes_;
+  double timeout_s_;
+  uint64_t timeout_ns_;
+  void* buffer_ = nullptr;
+  DeviceStatus* status_host_ = nullptr;
+  DeviceStatus* status_device_ = nullptr;
+  std::atomic<bool> stop_watchdog_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace ep_plugin
