@@ -17,8 +17,14 @@ WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring
 SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
 NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
 
-# Low-latency mode: one message per (token, expert) = 16-byte header + payload.
+# Low-latency mode (csrc/kernels/low_latency_layout.cuh): one message per (token, expert) = 16-byte
+# header + payload; a signal header of two rounds x 2 x 65536 u64 words + 128 bytes of state, each
+# round's header rounded up to 4 KiB.
 LL_MSG_HEADER_BYTES = 16
+LL_MAX_TOPK = MAX_TOPK
+LL_MAX_EXPERTS = 65536
+LL_AREA_ALIGN = 128
+LL_HEADER_BYTES = 2 * ((2 * LL_MAX_EXPERTS * 8 + 128 + 4095) // 4096 * 4096)
 
 
 def _align(value: int, alignment: int) -> int:
@@ -121,25 +127,32 @@ def default_combine_config(num_sms: int, num_ranks: int) -> Config:
     return _default_config(num_sms, num_ranks)
 
 
+def low_latency_payload_bytes(hidden: int) -> int:
+    """Payload of one low-latency message: the bf16 row, or the FP8 row and its float scales."""
+    fp8 = _align(hidden, 16) + _align(4 * math.ceil(hidden / 128), 16)
+    return max(_align(hidden * 2, 16), fp8)
+
+
 def low_latency_msg_bytes(hidden: int) -> int:
-    """One low-latency message: header + BF16 row (FP8 row + scales is never larger)."""
-    return LL_MSG_HEADER_BYTES + _align(hidden * 2, 16)
+    """One low-latency dispatch message: 16-byte header + payload."""
+    return LL_MSG_HEADER_BYTES + low_latency_payload_bytes(hidden)
 
 
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                    num_ranks: int, num_experts: int) -> int:
     """Symmetric-buffer bytes for low-latency mode (two rounds in flight, as DeepEP allows).
 
-    Per round: a send area of `T_max` messages, a receive area of `num_local_experts * num_ranks *
-    T_max` messages (dispatch) that the combine of the same round reuses for its `num_ranks * T_max`
-    returned rows, and one signal word per (local expert, source rank).
+    A fixed signal header, then per round (T_max tokens, E experts):
+        dispatch receive   E * T_max messages (each (local expert, source rank) region holds T_max;
+                           combine sends from it, it is the zero-copy buffer)
+        combine receive    T_max * 32 bf16 rows (token, top-k slot)
+        dispatch send      T_max payloads + T_max * 32 staged messages (network peers)
     """
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
-    num_local_experts = num_experts // num_ranks
-    msg = low_latency_msg_bytes(hidden)
-    send = num_max_dispatch_tokens_per_rank * msg
-    recv = num_local_experts * num_ranks * num_max_dispatch_tokens_per_rank * msg
-    signals = _align(num_local_experts * num_ranks * 8, 128)
-    per_round = _align(send, 128) + _align(recv, 128) + signals
-    return 2 * per_round
+    T, msg = num_max_dispatch_tokens_per_rank, low_latency_msg_bytes(hidden)
+    dispatch_recv = _align(num_experts * T * msg, LL_AREA_ALIGN)
+    combine_recv = _align(T * LL_MAX_TOPK * hidden * 2, LL_AREA_ALIGN)
+    dispatch_send = _align(T * low_latency_payload_bytes(hidden), LL_AREA_ALIGN) + \
+        _align(T * LL_MAX_TOPK * msg, LL_AREA_ALIGN)
+    return LL_HEADER_BYTES + 2 * (dispatch_recv + combine_recv + dispatch_send)

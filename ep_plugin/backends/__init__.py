@@ -9,10 +9,10 @@ from .base import Backend, GroupInfo
 logger = logging.getLogger("ep_plugin")
 
 
-def native_support(info: GroupInfo, low_latency_mode: bool, num_nvl_bytes: int) -> str:
-    """Why the native backend cannot serve this request ('' if it can)."""
+def native_support(info: GroupInfo, low_latency_mode: bool, num_nvl_bytes: int, requested: str = "auto") -> str:
+    """Why the native backend cannot serve this request ('' if it can); `requested`: 'auto' or 'native'."""
     from . import native
-    return native.unsupported_reason(info, low_latency_mode, num_nvl_bytes)
+    return native.unsupported_reason(info, low_latency_mode, num_nvl_bytes, requested)
 
 
 def select_backend(info: GroupInfo, settings: EpConfig, num_nvl_bytes: int, num_rdma_bytes: int,
@@ -21,7 +21,7 @@ def select_backend(info: GroupInfo, settings: EpConfig, num_nvl_bytes: int, num_
     choice = settings.backend
     reason = ""
     if choice in ("auto", "native"):
-        reason = native_support(info, low_latency_mode, num_nvl_bytes)
+        reason = native_support(info, low_latency_mode, num_nvl_bytes, requested=choice)
         if choice == "native" and reason:
             raise RuntimeError(f"backend 'native' requested but unavailable: {reason}")
         if not reason:
