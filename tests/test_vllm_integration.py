@@ -60,6 +60,8 @@ def test_cli_parses_and_validates(registered):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    (action,) = [a for a in parser._actions if "--all2all-backend" in a.option_strings]
+    assert "ep_plugin" in action.choices and "deepep_low_latency" in action.choices  # what --help lists
     args = parser.parse_args(["--enable-expert-parallel", "--all2all-backend", "ep_plugin",
                               "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
     engine_args = EngineArgs.from_cli_args(args)
@@ -148,6 +150,23 @@ def test_uncarried_quantisation_is_rejected(registered, kind):
     assert activation_transport(_quant_config(kind), defer_input_quant=True) == "bf16"
 
 
+def test_buffer_settings_follow_the_layer(registered):
+    from ep_plugin import EpConfig
+    from ep_plugin.integrations.vllm.manager import buffer_settings
+    base = EpConfig()
+    low_latency = buffer_settings(base, "low_latency", 2880, max_dispatch_tokens_per_rank=64, num_experts=32)
+    assert (low_latency.mode, low_latency.buffer.max_hidden) == ("low_latency", 2880)
+    assert (low_latency.low_latency.max_dispatch_tokens_per_rank, low_latency.low_latency.num_experts) == (64, 32)
+    normal = buffer_settings(base, "normal", 2880)
+    assert (normal.mode, normal.buffer.max_hidden, normal.low_latency) == ("normal", 2880, base.low_latency)
+    with pytest.raises(ValueError, match="mode"):
+        buffer_settings(base, "fast", 2880)
+    with pytest.raises(ValueError, match="max_dispatch_tokens_per_rank"):
+        buffer_settings(base, "low_latency", 2880)
+    with pytest.raises(ValueError, match="hidden"):
+        buffer_settings(base, "normal", 0)
+
+
 # ---- prepare -> dense experts -> finalize on 2 ranks ---------------------------------------------------------
 def _write_config(tmp_path, mode: str) -> str:
     path = tmp_path / f"{mode}.yaml"
@@ -183,6 +202,11 @@ def test_prepare_experts_finalize_match_dense_moe(registered, tmp_path, mode):
         assert facts["num_dispatchers"] == WORLD_SIZE
         assert facts["output_is_reduced"] is True and facts["supports_async"] is True
         assert facts["backend"] == "reference"
+        if low_latency:
+            assert "max_dispatch_tokens_per_rank" in facts["too_many_tokens_error"]
+            assert f"up to {MAX_TOKENS + 1} tokens" in facts["too_many_tokens_error"]
+        else:
+            assert facts["too_many_tokens_error"] is None  # normal mode has no per-call token limit
         # One buffer per distinct layer shape: the bf16 and FP8 cases differ in hidden size.
         assert facts["num_buffers"] == 2 and facts["num_buffers_after_destroy"] == 0
         for case in cases:

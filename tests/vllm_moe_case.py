@@ -214,6 +214,19 @@ def _run_sync(pf, experts, x, topk_ids, topk_weights, num_experts, expert_map, q
     return output
 
 
+def _too_many_tokens_error(parallel, world_size: int, case: MoeCase, max_tokens: int) -> Optional[str]:
+    """The error of building a layer that may see more tokens per call than T_max (None: no error)."""
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    moe = _moe_config(parallel, world_size, case.w1.size(0), case.topk_ids[0].size(1), case.w1.size(2),
+                      case.w2.size(2), max_tokens + 1)
+    try:
+        all2all_utils.maybe_make_prepare_finalize(moe, _quant_config(False, moe.num_local_experts),
+                                                  allow_new_interface=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def run_rank(rank: int, world_size: int, group, config_path: str, cases: List[MoeCase], max_tokens: int
              ) -> Dict[str, object]:
     """Run every case twice (through vLLM's FusedMoEKernel, and prepare/experts/finalize called directly).
@@ -266,6 +279,7 @@ def run_rank(rank: int, world_size: int, group, config_path: str, cases: List[Mo
                      topk_indices_dtype=str(pf.topk_indices_dtype()), max_num_tokens=pf.max_num_tokens_per_rank(),
                      num_dispatchers=pf.num_dispatchers(), output_is_reduced=pf.output_is_reduced(),
                      supports_async=pf.supports_async(), backend=pf.buffer.backend_name)
+    facts["too_many_tokens_error"] = _too_many_tokens_error(parallel, world_size, cases[0], max_tokens)
     facts["num_buffers"] = manager.num_buffers
     manager.destroy()
     facts["num_buffers_after_destroy"] = manager.num_buffers

@@ -312,7 +312,8 @@ class EpPluginLowLatencyPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
         `topk_weights` `[T, K]` and summed into `output` `[T, H]`; the hook completes the receive."""
         if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             raise ValueError("ep_plugin's low-latency combine weights and reduces itself; the batched experts must "
-                             f"leave that to it (TopKWeightAndReduceDelegate), got {type(weight_and_reduce_impl).__name__}")
+                             "leave that to it (TopKWeightAndReduceDelegate), got "
+                             f"{type(weight_and_reduce_impl).__name__}")
         if self._handle is None:
             raise RuntimeError("finalize without a preceding prepare")
         handle, self._handle = self._handle, None
