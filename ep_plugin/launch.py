@@ -6,6 +6,7 @@ exception on any rank is re-raised in the caller with that rank's traceback.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import traceback
 from datetime import timedelta
@@ -106,9 +107,13 @@ def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional
             else:
                 failures.append(value)
                 break
-    except Exception as error:  # queue.Empty: a rank died or hung
-        failures.append(f"no result from some ranks within {timeout_s + 60:.0f} s ({type(error).__name__}); "
+    except queue.Empty:  # a rank died or hung
+        failures.append(f"no result from some ranks within {timeout_s + 60:.0f} s; "
                         f"exit codes: {[p.exitcode for p in processes]}")
+    except Exception as error:  # noqa: BLE001 - a result that arrived but could not be read
+        failures.append(f"a rank's result could not be received: {type(error).__name__}: {error} "
+                        "(results must be picklable and readable in the parent process; plain Python values "
+                        f"are safest)\n{traceback.format_exc()}")
     finally:
         for process in processes:
             process.join(timeout=5 if failures else EXIT_GRACE_S)
