@@ -2,6 +2,23 @@
 # One call on the GPU machine: build, GPU tests, benchmarks; the summary is printed last.
 # Usage: STAGES="build tests bench sweeps" benchmarks/gpu_session.sh   (logs and results under $OUT)
 # At most a handful of files land in $OUT: *.log, results.tgz (JSON + PNG), summary.txt.
+#
+# Stages (run in the order given):
+#   build      pip install -e . (both extensions), GPU facts into build.log
+#   tests      pytest $PYTEST_ARGS (default: the native normal-mode tests)
+#   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run
+#   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
+#   tuning     two ring/chunk settings
+#   ll         native low-latency GPU tests, then benchmarks/bench_low_latency.py
+#   internode  native internode tests on the emulated topology (2 nodes x 1 GPU), then an emulated bench
+#   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel)
+# Megatron needs `carry: [".whl"]` in the device call, after (here, once):
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+#     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
+#   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
+# A device session has about 30 minutes and each call at most 10: split the stages over calls,
+# e.g. "build tests bench" then "ll internode" then "megatron profile sweeps"; set DEADLINE_S a
+# little under the call's limit so the tests stop in time and the summary still prints.
 set -u
 OUT=${OUT:-/tmp/ep_plugin_out}
 mkdir -p "$OUT" "$OUT/results_dir"
@@ -58,6 +75,39 @@ for s in $STAGES; do
           "$1" "$2" "$1" "$2" > "/tmp/tuning_$1_$2.yaml"
         bench "tuning_send$1_recv$2" --config "/tmp/tuning_$1_$2.yaml" --num-sms 24 --no-baseline
       done
+      ;;
+    ll)
+      stage tests timeout "${LL_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py
+      stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py \
+        --out "$OUT/results_dir/low_latency.json" --plot "$OUT/results_dir/low_latency_tokens.png"
+      ;;
+    internode)
+      stage tests timeout "${INTERNODE_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs --durations=10 tests/test_native_internode.py
+      printf 'backend: native\ntopology: {ranks_per_node: 1}\n' > /tmp/emulated_2x1.yaml
+      bench internode_emulated_bf16 --config /tmp/emulated_2x1.yaml --num-sms 24 --dtype bf16
+      ;;
+    megatron)
+      if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/tests.log" 2>&1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        stage tests timeout "${MEGATRON_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_megatron_gpu.py
+        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py \
+          --out "$OUT/results_dir/megatron_layer.json"
+      else
+        echo "megatron: skipped (carry .whl with the megatron-core cp312 wheel; see docs/megatron.md)" >> "$summary"
+      fi
+      ;;
+    profile)
+      # NOTE: ncu replays a kernel several times, which a kernel waiting for a peer cannot survive:
+      # profile one rank under ncu (the kernels' own cost: row copies, reductions, ring protocol),
+      # and the two-rank timeline (host gaps, notify, skew) under nsys where it is installed.
+      stage profile timeout "${PROFILE_TIMEOUT:-240}" ncu --kernel-name regex:"dispatch_kernel|combine_kernel|notify_kernel" \
+        --launch-skip 12 --launch-count 3 --set full -o "$OUT/results_dir/intranode_1rank" \
+        python3 -m ep_plugin bench --ranks 1 --num-sms 24 --no-baseline --no-check --warmup 3 --iters 3
+      if command -v nsys > /dev/null; then
+        stage profile timeout "${PROFILE_TIMEOUT:-240}" nsys profile -t cuda,nvtx --stats=true -o "$OUT/results_dir/intranode_2ranks" \
+          python3 -m ep_plugin bench --num-sms 24 --no-baseline --no-check --warmup 3 --iters 10
+      fi
       ;;
     sweeps)
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --warmup 2 --iters 10 --plot "$OUT/results_dir/sweep_sms.png"
