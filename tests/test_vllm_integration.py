@@ -106,6 +106,20 @@ def test_version_check(monkeypatch):
         check_version("0.34.0")
 
 
+
+@pytest.mark.parametrize("mode,graphs_kept", [("normal", False), ("low_latency", True)])
+def test_cuda_graphs_follow_the_mode(registered, tmp_path, monkeypatch, mode, graphs_kept):
+    """As vLLM does for DeepEP high-throughput: normal mode turns CUDA graphs off, low-latency keeps them."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    config_file = tmp_path / f"{mode}.yaml"
+    config_file.write_text(f"mode: {mode}\n")
+    monkeypatch.setenv("EP_PLUGIN_CONFIG", str(config_file))
+    for backend, dp_size, kept in (("ep_plugin", 2, graphs_kept), ("ep_plugin", 1, True), ("allgather_reducescatter", 2, True)):
+        compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE)
+        compilation.set_splitting_ops_for_v1(all2all_backend=backend, data_parallel_size=dp_size)
+        assert (compilation.cudagraph_mode != CUDAGraphMode.NONE) == kept, (backend, dp_size, mode)
+
 # ---- interfaces and capability answers ---------------------------------------------------------------------
 def test_classes_satisfy_vllm_interfaces(registered):
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk

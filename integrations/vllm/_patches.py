@@ -15,6 +15,9 @@ touches is where 0.33 keeps it, then patches:
        for the backend. Where vLLM has the prepare/finalize factory registry
        (`register_moe_prepare_finalize_factory`, vLLM PR 50556), the factory is registered there
        instead and patches 1 and 4 are not needed (the registry accepts the name itself).
+    5. `CompilationConfig.set_splitting_ops_for_v1`: in normal mode, CUDA graphs are turned off (with
+       an info line), as vLLM does for DeepEP's high-throughput backend, whose dispatch likewise
+       waits on the host for the received-token count. Low-latency mode keeps CUDA graphs.
 
 Nothing else of vLLM is modified; every patch defers to the original for other backends.
 """
@@ -115,6 +118,9 @@ def check_surface() -> None:
              "fused_moe.all2all_utils.get_ep_all2all_manager is missing")
     for name in ("FusedMoEPrepareAndFinalizeModular", "FusedMoEActivationFormat", "ExpertTokensMetadata"):
         _require(hasattr(modular_kernel, name), f"fused_moe.modular_kernel.{name} is missing")
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    _require(callable(getattr(CompilationConfig, "set_splitting_ops_for_v1", None)) and hasattr(CUDAGraphMode, "NONE"),
+             "CompilationConfig.set_splitting_ops_for_v1 or CUDAGraphMode.NONE is missing")
 
 
 def apply() -> None:
@@ -131,6 +137,7 @@ def apply() -> None:
         _route_prepare_finalize()
     _give_communicators_our_manager()
     _batched_format_in_low_latency_mode()
+    _no_cuda_graphs_in_normal_mode()
     _applied = True
 
 
@@ -256,3 +263,29 @@ def _route_prepare_finalize() -> None:
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get("maybe_make_prepare_finalize") is original:
             module.maybe_make_prepare_finalize = maybe_make_prepare_finalize
+
+
+# ---- 5. CUDA graphs -----------------------------------------------------------------------------
+def _no_cuda_graphs_in_normal_mode() -> None:
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+    original = CompilationConfig.set_splitting_ops_for_v1
+    if getattr(original, "_ep_plugin", False):
+        return
+
+    @functools.wraps(original)
+    def set_splitting_ops_for_v1(self, all2all_backend: str, data_parallel_size: int = 1):
+        result = original(self, all2all_backend, data_parallel_size)
+        if all2all_backend != BACKEND_NAME or data_parallel_size <= 1 or self.cudagraph_mode == CUDAGraphMode.NONE:
+            return result
+        from .prepare_finalize import serving_config
+        if serving_config().mode == "normal":
+            import logging
+            logging.getLogger("ep_plugin").info(
+                "ep_plugin: disabling CUDA graphs: normal mode (throughput, prefill) waits on the host for the "
+                "received-token count; for CUDA graphs in decode set `mode: low_latency` in $EP_PLUGIN_CONFIG")
+            self.cudagraph_mode = CUDAGraphMode.NONE
+        return result
+
+    set_splitting_ops_for_v1._ep_plugin = True  # type: ignore[attr-defined]
+    CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
