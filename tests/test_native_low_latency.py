@@ -81,8 +81,7 @@ def _nvshmem_installed() -> bool:
     return any(os.path.exists(os.path.join(root, "include", "nvshmem.h")) for root in roots)
 
 
-@pytest.mark.skipif(not os.environ.get("CI"), reason="CI checks that the NVSHMEM module was compiled and linked")
-def test_ci_builds_the_nvshmem_module():
+def test_nvshmem_module_is_built_where_nvshmem_is_installed():
     if not _nvshmem_installed() or shutil.which("nvcc") is None or os.environ.get("EP_PLUGIN_SKIP_NVSHMEM") == "1":
         pytest.skip("no NVSHMEM or no nvcc here")
     assert _C_nvshmem is not None, "NVSHMEM and nvcc are installed but ep_plugin._C_nvshmem was not built"
