@@ -99,6 +99,10 @@ def find_nvshmem() -> tuple[Path, Path, Path] | None:
     return None
 
 
+# Kernel files that use NVSHMEM's device API (ep_plugin._C_nvshmem only).
+NVSHMEM_KERNEL_PREFIXES = ("low_latency_", "internode_")
+
+
 class CudaExtension(Extension):
     """An extension whose .cu sources go through nvcc."""
 
@@ -187,15 +191,15 @@ def extensions() -> list[Extension]:
         print("ep_plugin: no CUDA toolkit found (nvcc), installing the pure-Python package only: "
               "the reference backend works, the native kernels are not built")
         return []
-    # Low-latency kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
+    # Low-latency and internode kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
     kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
-    sources = [s for s in kernels if not Path(s).name.startswith("low_latency_")]
+    sources = [s for s in kernels if not Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
     sources += ["csrc/runtime.cu", "csrc/python_api.cpp"]
     return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
 
 
 def nvshmem_extensions(kernels: list[str]) -> list[Extension]:
-    """`ep_plugin._C_nvshmem` (low-latency mode) where NVSHMEM is found, else nothing."""
+    """`ep_plugin._C_nvshmem` (low-latency mode, internode normal mode) where NVSHMEM is found, else nothing."""
     if os.environ.get("EP_PLUGIN_SKIP_NVSHMEM") == "1":
         print("ep_plugin: EP_PLUGIN_SKIP_NVSHMEM=1, not building ep_plugin._C_nvshmem (native low-latency mode)")
         return []
@@ -205,7 +209,7 @@ def nvshmem_extensions(kernels: list[str]) -> list[Extension]:
               "ep_plugin._C_nvshmem; low-latency mode uses the reference backend")
         return []
     print(f"ep_plugin: building ep_plugin._C_nvshmem against NVSHMEM at {nvshmem[1].parent} ({nvshmem[2].name})")
-    sources = [s for s in kernels if Path(s).name.startswith("low_latency_")]
+    sources = [s for s in kernels if Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
     sources += ["csrc/nvshmem_runtime.cu", "csrc/python_api_nvshmem.cpp"]
     return [NvshmemExtension("ep_plugin._C_nvshmem", sources=sources, nvshmem=nvshmem)]
 

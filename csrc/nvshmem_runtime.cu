@@ -44,10 +44,43 @@ void initialise_nvshmem(int rank, int num_ranks, const std::string& unique_id) {
   }
 }
 
+// Initialises NVSHMEM for this process if no runtime holds it, else checks that the holder used
+// the same rank and PE count. Every runtime (low-latency, internode) goes through here.
+void acquire_nvshmem(int rank, int num_ranks, const std::string& unique_id, const char* who) {
+  std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
+  if (g_live_runtimes == 0 && g_pe < 0) {
+    initialise_nvshmem(rank, num_ranks, unique_id);
+  } else {
+    EP_CHECK_ARG(g_pe == rank && g_num_pes == num_ranks,
+                 "NVSHMEM was initialised in this process as PE " << g_pe << " of " << g_num_pes
+                 << "; " << who << " for rank " << rank << " of " << num_ranks
+                 << " needs a new process (NVSHMEM keeps its first bootstrap)");
+    if (g_live_runtimes == 0) initialise_nvshmem(rank, num_ranks, unique_id);
+  }
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
+    std::ostringstream out;
+    out << "NVSHMEM in this process is PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes() << ", but the group "
+        << "has this rank as " << rank << " of " << num_ranks << " (was NVSHMEM initialised by another library?)";
+    throw Error(out.str());
+  }
+  g_pe = rank;
+  g_num_pes = num_ranks;
+  ++g_live_runtimes;
+}
+
+// Collective: the last runtime of the process finalises NVSHMEM.
+void release_nvshmem() {
+  std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
+  if (--g_live_runtimes == 0) nvshmem_finalize();
+}
+
 const char* op_name(int op) {
   switch (op) {
     case kOpLowLatencyDispatch: return "low_latency_dispatch";
     case kOpLowLatencyCombine: return "low_latency_combine";
+    case kOpInternodeNotify: return "the notify step of internode dispatch";
+    case kOpInternodeDispatch: return "internode dispatch (network leg)";
+    case kOpInternodeCombine: return "internode combine (network leg)";
     default: return "a low-latency kernel";
   }
 }
@@ -77,27 +110,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
   num_blocks_ = num_sms;  // one resident block per SM (the fused send + receive needs all of them)
 
-  {
-    std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
-    if (g_live_runtimes == 0 && g_pe < 0) {
-      initialise_nvshmem(rank, num_ranks, unique_id);
-    } else {
-      EP_CHECK_ARG(g_pe == rank && g_num_pes == num_ranks,
-                   "NVSHMEM was initialised in this process as PE " << g_pe << " of " << g_num_pes
-                   << "; a low-latency Buffer for rank " << rank << " of " << num_ranks
-                   << " needs a new process (NVSHMEM keeps its first bootstrap)");
-      if (g_live_runtimes == 0) initialise_nvshmem(rank, num_ranks, unique_id);
-    }
-    if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
-      std::ostringstream out;
-      out << "NVSHMEM in this process is PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes() << ", but the group "
-          << "has this rank as " << rank << " of " << num_ranks << " (was NVSHMEM initialised by another library?)";
-      throw Error(out.str());
-    }
-    g_pe = rank;
-    g_num_pes = num_ranks;
-    ++g_live_runtimes;
-  }
+  acquire_nvshmem(rank, num_ranks, unique_id, "a low-latency Buffer");
 
   // Collective: every PE allocates the same size.
   buffer_ = nvshmem_malloc(static_cast<size_t>(num_rdma_bytes));
@@ -147,8 +160,7 @@ void LowLatencyRuntime::destroy(bool collective) {
   if (collective) {
     nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
     nvshmem_free(buffer_);
-    std::lock_guard<std::mutex> lock(g_nvshmem_mutex);
-    if (--g_live_runtimes == 0) nvshmem_finalize();
+    release_nvshmem();
   }
   // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
   buffer_ = nullptr;
@@ -261,6 +273,195 @@ std::string LowLatencyRuntime::describe_device_error() const {
 void LowLatencyRuntime::check_device_error() const {
   if (status_host_ != nullptr && status_host_->error_code != kErrNone)
     throw Error("ep_plugin: a low-latency kernel stopped on rank " + std::to_string(rank_) + ": " +
+                describe_device_error());
+}
+
+// ---- InternodeRuntime ------------------------------------------------------------------------------
+InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes,
+                                   double timeout_s, const std::string& unique_id)
+    : num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
+  EP_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank " << rank << " out of range for " << num_ranks << " ranks");
+  EP_CHECK_ARG(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
+               "ranks_per_node (" << ranks_per_node << ") must divide the " << num_ranks << " ranks of the group");
+  EP_CHECK_ARG(num_ranks / ranks_per_node <= internode::kMaxNodes,
+               "internode mode supports at most " << internode::kMaxNodes << " nodes, got "
+                                                  << num_ranks / ranks_per_node);
+  EP_CHECK_ARG(num_rdma_bytes > internode::kHeaderBytes,
+               "num_rdma_bytes must exceed the internode header of " << internode::kHeaderBytes << " bytes (got "
+                                                                     << num_rdma_bytes
+                                                                     << "); see Config.get_rdma_buffer_size_hint");
+  EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
+  timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
+  place_.rank = rank;
+  place_.ranks_per_node = ranks_per_node;
+  place_.node = rank / ranks_per_node;
+  place_.local = rank % ranks_per_node;
+  place_.num_nodes = num_ranks / ranks_per_node;
+
+  acquire_nvshmem(rank, num_ranks, unique_id, "an internode Buffer");
+  buffer_ = nvshmem_malloc(static_cast<size_t>(num_rdma_bytes));  // collective
+  if (buffer_ == nullptr) {
+    release_nvshmem();
+    std::ostringstream out;
+    out << "nvshmem_malloc(" << num_rdma_bytes << ") failed on rank " << rank
+        << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first NVSHMEM "
+        << "Buffer of the process)";
+    throw Error(out.str());
+  }
+  // NOTE: counters and signal words must be zero on every PE before any peer can add to them:
+  // zero, wait for the device, then barrier.
+  CUDA_CHECK(cudaMemset(buffer_, 0, internode::kHeaderBytes));
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(static_cast<void*>(status_host_), 0, sizeof(DeviceStatus));
+  status_host_->bad_input_rank = -1;
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();
+}
+
+InternodeRuntime::~InternodeRuntime() {
+  try {
+    destroy(false);
+  } catch (...) {  // NOTE: never throw from a destructor
+  }
+}
+
+void InternodeRuntime::destroy(bool collective) {
+  if (status_host_ == nullptr) return;
+  cudaDeviceSynchronize();
+  if (collective) {
+    nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
+    nvshmem_free(buffer_);
+    release_nvshmem();
+  }
+  // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
+  buffer_ = nullptr;
+  cudaFreeHost(static_cast<void*>(status_host_));
+  status_host_ = status_device_ = nullptr;
+}
+
+void InternodeRuntime::require_alive() const {
+  EP_HOST_ASSERT(status_host_ != nullptr && buffer_ != nullptr, "the internode runtime has been destroyed");
+  check_device_error();
+}
+
+std::vector<bool> InternodeRuntime::direct_peers() const {
+  require_alive();
+  std::vector<bool> direct(num_ranks_);
+  for (int pe = 0; pe < num_ranks_; ++pe) direct[pe] = nvshmem_ptr(buffer_, pe) != nullptr;
+  return direct;
+}
+
+internode::Common InternodeRuntime::common(int kind) const {
+  internode::Common c{};
+  c.ptr = internode::make_pointers(buffer_, num_rdma_bytes_, kind);
+  c.place = place_;
+  c.status = status_device_;
+  c.error_claim = &c.ptr.state->error_claim;
+  c.timeout_ns = timeout_ns_;
+  return c;
+}
+
+void InternodeRuntime::check_layout(const internode::InternodeLayout& layout, const char* op) const {
+  EP_CHECK_ARG(layout.num_nodes == place_.num_nodes,
+               op << ": the layout is for " << layout.num_nodes << " nodes, the buffer for " << place_.num_nodes);
+  EP_CHECK_ARG(layout.num_channels >= 1 && layout.num_channels <= internode::kMaxChannels,
+               op << ": channels must be in [1, " << internode::kMaxChannels << "], got " << layout.num_channels);
+  EP_CHECK_ARG(layout.ring_slots >= 1, op << ": num_max_rdma_chunked_recv_tokens must be positive");
+  EP_CHECK_ARG(layout.slot_bytes > 0 && layout.slot_bytes % 16 == 0, op << ": slot bytes must be a multiple of 16");
+  EP_CHECK_ARG(layout.fits(num_rdma_bytes_),
+               op << " needs num_rdma_bytes >= " << layout.total_bytes() << " (" << layout.num_channels
+                  << " channels, " << layout.num_nodes << " nodes, " << layout.ring_slots << " ring slots of "
+                  << layout.slot_bytes << " bytes), but the buffer has " << num_rdma_bytes_
+                  << " (Config.get_rdma_buffer_size_hint with ranks_per_node)");
+}
+
+void InternodeRuntime::notify(internode::NotifyArgs args, cudaStream_t stream) {
+  require_alive();
+  EP_CHECK_ARG(args.num_tokens >= 0, "num_tokens must be non-negative");
+  EP_CHECK_ARG(args.host_tag >= 0 && args.capacity >= 0, "bad notify tag or capacity");
+  args.c = common(internode::kKindDispatch);
+  status_host_->bad_input_rank = -1;  // the previous notify has finished (its result was awaited)
+  internode::launch_notify(args, stream);
+}
+
+int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
+  EP_HOST_ASSERT(tag > 0, "notify tags are positive");
+  // The device gives up after timeout_s; the host allows a little more so the device's report wins.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
+  int spins = 0;
+  while (status_host_->notify_tag != tag) {
+    check_device_error();
+    if (++spins % 1024 == 0) {
+      const cudaError_t state = cudaStreamQuery(stream);
+      if (state != cudaSuccess && state != cudaErrorNotReady) {
+        check_device_error();
+        throw Error(std::string("ep_plugin: internode dispatch failed on rank ") + std::to_string(place_.rank) +
+                    ": " + cudaGetErrorName(state) + " (" + cudaGetErrorString(state) + ")");
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::ostringstream out;
+        out << "rank " << place_.rank << ": the notify step of internode dispatch did not finish within "
+            << timeout_s_ << " s (a peer never reached the same dispatch call?)";
+        throw TimeoutError(out.str());
+      }
+      if (spins > (1 << 16)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  const int bad_rank = status_host_->bad_input_rank;
+  if (bad_rank >= 0) {
+    std::ostringstream out;
+    out << "internode dispatch rejected on rank " << place_.rank << ": rank " << bad_rank
+        << " dispatches rows of a different layout (x, x_scales, topk_idx and topk_weights must have the same "
+        << "widths, dtypes and presence on every rank, and every rank the same config.num_sms); no data was sent";
+    throw InvalidArgument(out.str());
+  }
+  return status_host_->num_recv_tokens;
+}
+
+void InternodeRuntime::dispatch(internode::DispatchArgs args, cudaStream_t stream) {
+  require_alive();
+  check_layout(args.layout, "internode dispatch");
+  args.c = common(internode::kKindDispatch);
+  internode::launch_dispatch(args, stream);
+}
+
+void InternodeRuntime::combine(internode::CombineArgs args, cudaStream_t stream) {
+  require_alive();
+  check_layout(args.layout, "internode combine");
+  args.c = common(internode::kKindCombine);
+  internode::launch_combine(args, stream);
+}
+
+void InternodeRuntime::barrier(cudaStream_t stream) {
+  require_alive();
+  nvshmemx_barrier_all_on_stream(stream);
+}
+
+std::string InternodeRuntime::describe_device_error() const {
+  const DeviceStatus& s = *status_host_;
+  std::ostringstream out;
+  if (s.error_code == kErrTimeout) {
+    const char* what = s.error_wait_kind == kWaitBarrier    ? "its token counts"
+                       : s.error_wait_kind == kWaitFreeSlot ? "a free ring slot (the peer did not consume)"
+                       : s.error_wait_kind == kWaitData     ? "the next row"
+                                                            : "progress";
+    out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
+        << " waited for peer " << s.error_peer << " (channel " << s.error_channel << ", warp " << s.error_warp
+        << ") for " << what << "; expected counter " << s.error_expected << ", observed " << s.error_observed
+        << ". Every rank must make the same sequence of dispatch/combine calls with the same configs.";
+  } else if (s.error_code == kErrTooManyRecvTokens) {
+    out << "rank " << s.error_rank << " receives " << s.error_observed << " rows over the network but only "
+        << s.error_expected << " fit (num_worst_tokens * ranks_per_node); rows past that were dropped";
+  } else {
+    out << "device error code " << s.error_code;
+  }
+  return out.str();
+}
+
+void InternodeRuntime::check_device_error() const {
+  if (status_host_ != nullptr && status_host_->error_code != kErrNone)
+    throw Error("ep_plugin: an internode kernel stopped on rank " + std::to_string(place_.rank) + ": " +
                 describe_device_error());
 }
 

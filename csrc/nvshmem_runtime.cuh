@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kernels/internode_layout.cuh"
 #include "kernels/low_latency_layout.cuh"
 
 namespace ep_plugin {
@@ -72,6 +73,52 @@ class LowLatencyRuntime {
   DeviceStatus* status_device_ = nullptr;
   std::atomic<bool> stop_watchdog_{false};
   std::thread watchdog_;
+};
+
+// InternodeRuntime: this PE's symmetric buffer for the network leg of internode normal mode, and
+// the host side of its kernels (csrc/kernels/internode_*.cu). Shares the process's NVSHMEM with
+// LowLatencyRuntime (same initialisation path and PE numbering: PE = rank of the group).
+class InternodeRuntime {
+ public:
+  // Collective over the group's ranks: initialises NVSHMEM if needed, allocates `num_rdma_bytes`
+  // of symmetric memory and zeroes its header.
+  InternodeRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, double timeout_s,
+                   const std::string& unique_id);
+  ~InternodeRuntime();
+  InternodeRuntime(const InternodeRuntime&) = delete;
+  InternodeRuntime& operator=(const InternodeRuntime&) = delete;
+
+  int rank() const { return place_.rank; }
+  int num_nodes() const { return place_.num_nodes; }
+  int64_t num_rdma_bytes() const { return num_rdma_bytes_; }
+  std::vector<bool> direct_peers() const;
+
+  // Fill the runtime-owned fields of the Args and launch. `notify` resets the host-visible result
+  // first; `wait_notify` returns the rows received over the network (non-graph dispatch).
+  void notify(internode::NotifyArgs args, cudaStream_t stream);
+  int wait_notify(int tag, cudaStream_t stream);
+  void dispatch(internode::DispatchArgs args, cudaStream_t stream);
+  void combine(internode::CombineArgs args, cudaStream_t stream);
+  // A barrier of every PE on `stream` (all earlier kernels of every PE have finished after it).
+  void barrier(cudaStream_t stream);
+
+  void destroy(bool collective);
+  void check_device_error() const;
+
+ private:
+  void require_alive() const;
+  internode::Common common(int kind) const;
+  void check_layout(const internode::InternodeLayout& layout, const char* op) const;
+  std::string describe_device_error() const;
+
+  internode::Place place_{};
+  int num_ranks_;
+  int64_t num_rdma_bytes_;
+  double timeout_s_;
+  uint64_t timeout_ns_;
+  void* buffer_ = nullptr;
+  DeviceStatus* status_host_ = nullptr;
+  DeviceStatus* status_device_ = nullptr;
 };
 
 }  // namespace ep_plugin

@@ -1,4 +1,5 @@
-// ep_plugin._C_nvshmem: a thin pybind11 face over the low-latency (NVSHMEM) core.
+// ep_plugin._C_nvshmem: a thin pybind11 face over the NVSHMEM cores: low-latency mode and the network
+// leg of internode normal mode.
 //
 // A separate module from ep_plugin._C so that the intranode kernels build and import where NVSHMEM
 // is absent. Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends/
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "common/exception.cuh"
+#include "kernels/internode_layout.cuh"
 #include "kernels/low_latency_layout.cuh"
 #include "nvshmem_runtime.cuh"
 
@@ -84,6 +86,105 @@ void runtime_combine(LowLatencyRuntime& runtime, int parity, int phases, int num
   runtime.combine(args, parity, as_stream(stream));
 }
 
+// ---- internode ----------------------------------------------------------------------------------
+internode::InternodeLayout make_internode_layout(int num_nodes, int num_channels, int ring_slots, int64_t slot_bytes) {
+  EP_CHECK_ARG(num_nodes >= 1 && num_nodes <= internode::kMaxNodes,
+               "num_nodes must be in [1, " << internode::kMaxNodes << "], got " << num_nodes);
+  EP_CHECK_ARG(num_channels >= 1 && num_channels <= internode::kMaxChannels,
+               "num_channels must be in [1, " << internode::kMaxChannels << "], got " << num_channels);
+  EP_CHECK_ARG(ring_slots >= 1, "num_max_rdma_chunked_recv_tokens must be positive, got " << ring_slots);
+  EP_CHECK_ARG(slot_bytes > 0 && slot_bytes % 16 == 0, "slot bytes must be a positive multiple of 16");
+  return internode::InternodeLayout{num_nodes, num_channels, ring_slots, slot_bytes};
+}
+
+int64_t internode_size_hint(int64_t hidden_bytes, int num_nodes, int num_channels, int ring_slots) {
+  EP_CHECK_ARG(hidden_bytes > 0, "hidden_bytes must be positive, got " << hidden_bytes);
+  return make_internode_layout(num_nodes, num_channels, ring_slots, internode::hint_slot_bytes(hidden_bytes))
+      .total_bytes();
+}
+
+internode::DispatchSlot make_dispatch_slot(int row_bytes, int num_scales, int num_topk, bool has_weights) {
+  EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0, "rows must be a positive multiple of 16 bytes, got " << row_bytes);
+  EP_CHECK_ARG(num_scales >= 0, "num_scales must be non-negative");
+  EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk,
+               "top-k must be in [0, " << internode::kMaxTopk << "], got " << num_topk);
+  return internode::DispatchSlot{row_bytes, num_scales, num_topk, has_weights ? 1 : 0};
+}
+
+void internode_notify(InternodeRuntime& runtime, int num_channels, int num_tokens, uintptr_t is_token_in_node,
+                      int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t send_counts,
+                      uintptr_t recv_offsets, uintptr_t num_recv, int capacity, int host_tag, uintptr_t stream) {
+  internode::NotifyArgs args{};
+  args.num_channels = num_channels;
+  args.num_tokens = num_tokens;
+  args.is_token_in_node = pointer<const bool>(is_token_in_node, "is_token_in_node", num_tokens > 0);
+  args.row_bytes = row_bytes;
+  args.num_scales = num_scales;
+  args.num_topk = num_topk;
+  args.has_weights = has_weights ? 1 : 0;
+  args.send_counts = pointer<int32_t>(send_counts, "send_counts");
+  args.recv_offsets = pointer<int32_t>(recv_offsets, "recv_offsets");
+  args.num_recv = pointer<int32_t>(num_recv, "num_recv");
+  args.capacity = capacity;
+  args.host_tag = host_tag;
+  runtime.notify(args, as_stream(stream));
+}
+
+void internode_dispatch(InternodeRuntime& runtime, int num_channels, int ring_slots, int64_t slot_bytes,
+                        int num_tokens, int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t x,
+                        uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t is_token_in_node,
+                        uintptr_t send_pos, uintptr_t recv_offsets, int capacity, uintptr_t recv_x,
+                        uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
+                        uintptr_t recv_src_idx, uintptr_t stream) {
+  internode::DispatchArgs args{};
+  args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
+  args.slot = make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights);
+  EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
+  EP_CHECK_ARG(capacity >= 0, "capacity must be non-negative");
+  const bool send = num_tokens > 0, recv = capacity > 0;
+  args.num_tokens = num_tokens;
+  args.x = pointer<const uint8_t>(x, "x", send, 16);
+  args.x_scales = pointer<const float>(x_scales, "x_scales", send && num_scales > 0);
+  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", send && num_topk > 0);
+  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", send && num_topk > 0 && has_weights);
+  args.is_token_in_node = pointer<const bool>(is_token_in_node, "is_token_in_node", send);
+  args.send_pos = pointer<int32_t>(send_pos, "send_pos", false);
+  args.recv_offsets = pointer<const int32_t>(recv_offsets, "recv_offsets");
+  args.capacity = capacity;
+  args.recv_x = pointer<uint8_t>(recv_x, "recv_x", recv, 16);
+  args.recv_x_scales = pointer<float>(recv_x_scales, "recv_x_scales", recv && num_scales > 0);
+  args.recv_topk_idx = pointer<int64_t>(recv_topk_idx, "recv_topk_idx", false);
+  args.recv_topk_weights = pointer<float>(recv_topk_weights, "recv_topk_weights", false);
+  args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
+  runtime.dispatch(args, as_stream(stream));
+}
+
+void internode_combine(InternodeRuntime& runtime, int num_channels, int ring_slots, int64_t slot_bytes, int hidden,
+                       int num_topk, int capacity, uintptr_t partial_x, uintptr_t partial_weights,
+                       uintptr_t recv_offsets, int num_tokens, uintptr_t is_token_in_node, uintptr_t send_pos,
+                       uintptr_t send_counts, uintptr_t bias_0, uintptr_t bias_1, uintptr_t combined_x,
+                       uintptr_t combined_weights, uintptr_t stream) {
+  internode::CombineArgs args{};
+  args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
+  EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8, got " << hidden);
+  EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk, "top-k must be in [0, " << internode::kMaxTopk << "]");
+  args.slot = internode::CombineSlot{hidden, num_topk};
+  EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
+  args.capacity = capacity;
+  args.partial_x = pointer<const uint8_t>(partial_x, "partial_x", capacity > 0, 16);
+  args.partial_weights = pointer<const float>(partial_weights, "partial_weights", capacity > 0 && num_topk > 0);
+  args.recv_offsets = pointer<const int32_t>(recv_offsets, "handle.recv_offsets");
+  args.num_tokens = num_tokens;
+  args.is_token_in_node = pointer<const bool>(is_token_in_node, "handle.is_token_in_node", num_tokens > 0);
+  args.send_pos = pointer<const int32_t>(send_pos, "handle.send_pos", num_tokens > 0);
+  args.send_counts = pointer<const int32_t>(send_counts, "handle.send_counts");
+  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
+  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
+  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
+  args.combined_weights = pointer<float>(combined_weights, "combined_topk_weights", false);
+  runtime.combine(args, as_stream(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_nvshmem, m) {
@@ -146,4 +247,58 @@ PYBIND11_MODULE(_C_nvshmem, m) {
            py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"), py::arg("x"),
            py::arg("recv_src_info"), py::arg("recv_layout"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("num_tokens"), py::arg("num_topk"), py::arg("out"), py::arg("stream"));
+
+  // ---- internode normal mode (network leg) ----
+  m.attr("INTERNODE_HEADER_BYTES") = internode::kHeaderBytes;
+  m.attr("INTERNODE_MAX_NODES") = internode::kMaxNodes;
+  m.attr("INTERNODE_MAX_CHANNELS") = internode::kMaxChannels;
+  m.attr("INTERNODE_SLOT_EXTRA_BYTES") = internode::kSlotExtraBytes;
+  m.def("internode_size_hint", &internode_size_hint, py::arg("hidden_bytes"), py::arg("num_nodes"),
+        py::arg("num_channels"), py::arg("ring_slots"),
+        "Symmetric-buffer bytes of internode normal mode for these sizes (pure function, no GPU needed).");
+  m.def("internode_dispatch_slot_bytes", [](int row_bytes, int num_scales, int num_topk, bool has_weights) {
+          return make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights).bytes();
+        }, py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"), py::arg("has_weights"));
+  m.def("internode_combine_slot_bytes", [](int hidden, int num_topk) {
+          return internode::CombineSlot{hidden, num_topk}.bytes();
+        }, py::arg("hidden"), py::arg("num_topk"));
+
+  py::class_<InternodeRuntime>(m, "InternodeRuntime")
+      .def(py::init([](int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, double timeout_s,
+                       const py::bytes& unique_id) {
+             std::string id = unique_id;
+             py::gil_scoped_release release;  // a collective: other Python threads may run meanwhile
+             return new InternodeRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, timeout_s, id);
+           }),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_rdma_bytes"),
+           py::arg("timeout_s"), py::arg("unique_id"))
+      .def_property_readonly("num_rdma_bytes", &InternodeRuntime::num_rdma_bytes)
+      .def_property_readonly("num_nodes", &InternodeRuntime::num_nodes)
+      .def("direct_peers", &InternodeRuntime::direct_peers)
+      .def("check_device_error", &InternodeRuntime::check_device_error)
+      .def("destroy", [](InternodeRuntime& self, bool collective) {
+             py::gil_scoped_release release;
+             self.destroy(collective);
+           }, py::arg("collective"))
+      .def("barrier", [](InternodeRuntime& self, uintptr_t stream) { self.barrier(as_stream(stream)); },
+           py::arg("stream"))
+      .def("notify", &internode_notify, py::arg("num_channels"), py::arg("num_tokens"), py::arg("is_token_in_node"),
+           py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"), py::arg("has_weights"),
+           py::arg("send_counts"), py::arg("recv_offsets"), py::arg("num_recv"), py::arg("capacity"),
+           py::arg("host_tag"), py::arg("stream"))
+      .def("wait_notify", [](InternodeRuntime& self, int tag, uintptr_t stream) {
+             py::gil_scoped_release release;
+             return self.wait_notify(tag, as_stream(stream));
+           }, py::arg("tag"), py::arg("stream"))
+      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("ring_slots"), py::arg("slot_bytes"),
+           py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
+           py::arg("has_weights"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+           py::arg("is_token_in_node"), py::arg("send_pos"), py::arg("recv_offsets"), py::arg("capacity"),
+           py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
+           py::arg("recv_src_idx"), py::arg("stream"))
+      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("ring_slots"), py::arg("slot_bytes"),
+           py::arg("hidden"), py::arg("num_topk"), py::arg("capacity"), py::arg("partial_x"),
+           py::arg("partial_weights"), py::arg("recv_offsets"), py::arg("num_tokens"), py::arg("is_token_in_node"),
+           py::arg("send_pos"), py::arg("send_counts"), py::arg("bias_0"), py::arg("bias_1"),
+           py::arg("combined_x"), py::arg("combined_weights"), py::arg("stream"));
 }

@@ -23,6 +23,9 @@ enum OpCode : int32_t {
   kOpLayout = 4,
   kOpLowLatencyDispatch = 5,  // `channel` of the report is the global expert id
   kOpLowLatencyCombine = 6,   // `channel` of the report is the global expert id
+  kOpInternodeNotify = 7,     // network leg of internode dispatch: count exchange (`peer` a global rank)
+  kOpInternodeDispatch = 8,   // network leg of internode dispatch (`channel` a ring channel)
+  kOpInternodeCombine = 9,    // network leg of internode combine (`channel` a ring channel)
 };
 
 enum WaitKind : int32_t {
