@@ -31,11 +31,28 @@ def ranks_per_node_from_hostnames(hostnames: List[str]) -> int:
     return per_node
 
 
+def check_ranks_per_node(num_ranks: int, ranks_per_node: object) -> int:
+    """`ranks_per_node` if it is a positive int that divides `num_ranks`; a ValueError that says what to fix otherwise."""
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+        raise ValueError(f"topology.ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    if ranks_per_node > num_ranks:
+        raise ValueError(f"topology.ranks_per_node = {ranks_per_node} exceeds the {num_ranks} ranks of the group "
+                         "(the group must hold whole nodes)")
+    if num_ranks % ranks_per_node != 0:
+        raise ValueError(f"topology.ranks_per_node = {ranks_per_node} does not divide the {num_ranks} ranks of the "
+                         f"group: the world size must be a multiple of the ranks per node (e.g. "
+                         f"{num_ranks // ranks_per_node * ranks_per_node or ranks_per_node} or "
+                         f"{(num_ranks // ranks_per_node + 1) * ranks_per_node} ranks)")
+    return ranks_per_node
+
+
 def resolve_ranks_per_node(group: dist.ProcessGroup, override: Optional[int]) -> int:
-    """The configured override (for emulating several nodes on one host) or the detected value."""
+    """The configured override (for emulating several nodes on one host) or the detected value.
+
+    With the override, one host can emulate several nodes (e.g. 2 GPUs as 2 nodes x 1 GPU): ranks
+    r and r' share a "node" iff r // ranks_per_node == r' // ranks_per_node.
+    """
     num_ranks = dist.get_world_size(group)
     if override is None:
         return ranks_per_node_from_hostnames(gather_hostnames(group))
-    if num_ranks % override != 0:
-        raise ValueError(f"topology.ranks_per_node = {override} does not divide the {num_ranks} ranks of the group")
-    return override
+    return check_ranks_per_node(num_ranks, override)

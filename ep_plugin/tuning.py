@@ -7,6 +7,7 @@ extension is importable (CI builds it).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 # Limits shared with csrc/kernels/buffer_layout.cuh.
 NUM_MAX_NVL_PEERS = 8          # ranks of one NVLink domain handled by the intranode kernels
@@ -25,6 +26,15 @@ LL_MAX_TOPK = MAX_TOPK
 LL_MAX_EXPERTS = 65536
 LL_AREA_ALIGN = 128
 LL_HEADER_BYTES = 2 * ((2 * LL_MAX_EXPERTS * 8 + 128 + 4095) // 4096 * 4096)
+
+# Internode normal mode (csrc/kernels/internode_layout.cuh): a fixed header (notify slots and
+# signal words for 256 nodes, ring counters for 2 kinds x 64 channels x 256 nodes, state), rounded
+# up to 1 MiB; slots of align16(hidden_bytes) + 416 bytes.
+INTERNODE_MAX_NODES = 256
+INTERNODE_SLOT_EXTRA_BYTES = 16 + 8 * MAX_TOPK + 4 * MAX_TOPK + 16
+INTERNODE_AREA_ALIGN = 128
+INTERNODE_HEADER_BYTES = (4 * INTERNODE_MAX_NODES * 512 + 8 * INTERNODE_MAX_NODES
+                          + 4 * 8 * 2 * MAX_CHANNELS * INTERNODE_MAX_NODES + 128 + (1 << 20) - 1) >> 20 << 20
 
 
 def _align(value: int, alignment: int) -> int:
@@ -92,14 +102,32 @@ class Config:
         slots = slots_per_sub_ring(self.num_max_nvl_chunked_recv_tokens)
         return NVL_HEADER_BYTES + rings * slots * nvl_slot_bytes(hidden_bytes)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA (NVSHMEM) buffer for internode normal mode; 0 inside one NVLink domain."""
-        if num_ranks <= NUM_MAX_NVL_PEERS:
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
+                                  ranks_per_node: Optional[int] = None) -> int:
+        """Bytes of RDMA (NVSHMEM) buffer for internode normal mode; 0 inside one node.
+
+        `ranks_per_node`: GPUs per node (default: DeepEP's assumption of 8, so 0 up to 8 ranks);
+        pass it for other shapes, e.g. 1 to emulate one node per GPU (`topology.ranks_per_node`).
+        Mirrors `InternodeLayout::total_bytes` (csrc/kernels/internode_layout.cuh): a fixed header,
+        then a dispatch and a combine area, each with a receive ring and a send staging ring per
+        (channel, node) of `num_max_rdma_chunked_recv_tokens` slots of
+        align16(hidden_bytes) + 416 bytes (slot meta, top-k ids and weights at top-k 32, alignment).
+        """
+        if ranks_per_node is None:
+            ranks_per_node = NUM_MAX_NVL_PEERS
+            num_nodes = math.ceil(num_ranks / ranks_per_node)
+        else:
+            if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or num_ranks % ranks_per_node != 0:
+                raise ValueError(f"ranks_per_node = {ranks_per_node!r} must be a positive divisor of num_ranks = "
+                                 f"{num_ranks}")
+            num_nodes = num_ranks // ranks_per_node
+        if num_nodes <= 1:
             return 0
-        num_rdma_ranks = math.ceil(num_ranks / NUM_MAX_NVL_PEERS)
-        per_token = nvl_slot_bytes(hidden_bytes)
-        # Send and receive rings per (channel, RDMA peer).
-        return 2 * self.num_channels * num_rdma_ranks * self.num_max_rdma_chunked_recv_tokens * per_token
+        if num_nodes > INTERNODE_MAX_NODES:
+            raise ValueError(f"{num_nodes} nodes; internode mode supports at most {INTERNODE_MAX_NODES}")
+        slot = _align(hidden_bytes, 16) + INTERNODE_SLOT_EXTRA_BYTES
+        ring = self.num_channels * num_nodes * self.num_max_rdma_chunked_recv_tokens * slot
+        return INTERNODE_HEADER_BYTES + 2 * _align(2 * ring, INTERNODE_AREA_ALIGN)
 
     def __repr__(self) -> str:
         return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "

@@ -1,6 +1,11 @@
 """The native backend: the csrc kernels over CUDA-IPC-mapped NVLink buffers (one NVLink domain), and
 in low-latency mode the NVSHMEM kernels of `ep_plugin._C_nvshmem` (any NVSHMEM transport).
 
+Across nodes (normal mode) a dispatch runs in two stages (docs/internode.md): the network leg
+(`_C_nvshmem.InternodeRuntime`) sends each token once per destination node to the rank with the
+same local index there (the forwarder), then the intranode kernels (`_C.IntranodeRuntime` over the
+node's ranks) forward it over NVLink. Combine runs the stages in reverse.
+
 Tensors go to the extensions as device addresses; this module allocates every output with torch
 on the current stream (Buffer makes its communication stream current) and keeps the layout of a
 dispatch in a `NativeHandle` (normal mode) or a `LowLatencyHandle` for combine.
@@ -16,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import Config
+from ..tuning import Config, default_combine_config, default_dispatch_config
 from .base import Backend, GroupInfo
 
 try:
@@ -40,6 +45,11 @@ logger = logging.getLogger("ep_plugin")
 # selects them. Flip to True once they pass.
 LOW_LATENCY_VERIFIED = False
 
+# Whether the native internode kernels have passed tests/test_native_internode.py on GPUs (emulated
+# nodes at least). Until then `backend: auto` keeps the reference backend across nodes and only
+# `backend: native` selects them. Flip to True once they pass.
+INTERNODE_VERIFIED = False
+
 # Symmetric heap requested from NVSHMEM beyond the buffer itself (its own allocations), unless the
 # user sets NVSHMEM_SYMMETRIC_SIZE.
 NVSHMEM_HEAP_MARGIN_BYTES = 256 << 20
@@ -58,12 +68,29 @@ def unsupported_reason(info: GroupInfo, low_latency_mode: bool, num_nvl_bytes: i
     if info.device.type != "cuda":
         return "no CUDA device in this process"
     if not info.is_intranode:
-        return "native internode kernels are not part of this build yet"
+        return _internode_unsupported_reason(info, num_nvl_bytes, requested)
     if info.num_ranks > _C.MAX_NVL_PEERS:
         return f"{info.num_ranks} ranks in one NVLink domain; the intranode kernels take at most {_C.MAX_NVL_PEERS}"
     if num_nvl_bytes < _C.NVL_HEADER_BYTES:
         return (f"num_nvl_bytes = {num_nvl_bytes} is below the minimum {_C.NVL_HEADER_BYTES}; size it with "
                 "Config.get_nvl_buffer_size_hint")
+    return ""
+
+
+def _internode_unsupported_reason(info: GroupInfo, num_nvl_bytes: int, requested: str) -> str:
+    if _C_nvshmem is None:
+        return f"the NVSHMEM extension ep_plugin._C_nvshmem is not built ({_NVSHMEM_IMPORT_ERROR})"
+    if info.ranks_per_node > _C.MAX_NVL_PEERS:
+        return (f"{info.ranks_per_node} ranks per node; the intranode stage takes at most {_C.MAX_NVL_PEERS} "
+                "(set topology.ranks_per_node)")
+    if info.num_nodes > _C_nvshmem.INTERNODE_MAX_NODES:
+        return f"{info.num_nodes} nodes; the internode kernels take at most {_C_nvshmem.INTERNODE_MAX_NODES}"
+    if num_nvl_bytes < _C.NVL_HEADER_BYTES:
+        return (f"num_nvl_bytes = {num_nvl_bytes} is below the minimum {_C.NVL_HEADER_BYTES} that the intranode "
+                "stage needs; size it with Config.get_nvl_buffer_size_hint")
+    if not INTERNODE_VERIFIED and requested != "native":
+        return ("native internode kernels are built but not yet verified on GPU "
+                "(select them with backend: native)")
     return ""
 
 
@@ -123,6 +150,35 @@ class NativeHandle:
     num_recv_device: torch.Tensor    # [1] int32
 
 
+@dataclass(eq=False)
+class InternodeHandle:
+    """Layout of one dispatch across nodes (opaque to users): both stages.
+
+    Network leg: token t goes to node n iff is_token_in_node[t, n]; it is slot send_pos[t, n] of
+    the (channel, n) stream. Forwarder rows are ordered by source node, channel, token
+    (recv_offsets). Intranode stage: `node` (a NativeHandle over the node's ranks, whose "tokens"
+    are the forwarder rows). With several ranks per node, final rows are permuted into source-rank
+    order: final row i is intranode row perm[i].
+    """
+    owner: "NativeBackend"
+    num_tokens: int                  # T of this rank
+    num_recv_rows: int               # rows of recv_x (received tokens, or num_worst_tokens)
+    num_worst_tokens: int
+    num_channels: int                # channels of the network leg (fixed by the dispatch)
+    dispatch_slot_bytes: int         # slot size of the dispatch's network leg
+    is_token_in_node: torch.Tensor   # [T, N] bool
+    send_pos: torch.Tensor           # [T, N] int32
+    send_counts: torch.Tensor        # [N * C] int32
+    recv_offsets: torch.Tensor       # [N * C + 1] int32
+    num_forward_rows: int            # forwarder rows (received over the network, or the graph capacity)
+    node: "NativeHandle"             # the intranode stage
+    perm: Optional[torch.Tensor]     # [rows] int64, or None (one rank per node)
+    inv_perm: Optional[torch.Tensor]
+
+
+_NET_DISPATCH, _NET_COMBINE = 0, 1  # ring kinds of the network leg
+
+
 def _address(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
@@ -139,7 +195,13 @@ class NativeBackend(Backend):
         self._runtime = None
         self._ll = None
         self._ll_parity = 0
-        if not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
+        self._net = None
+        self._net_tag = 0
+        self._net_geometry = {_NET_DISPATCH: None, _NET_COMBINE: None}
+        if not low_latency_mode and not info.is_intranode:
+            self._runtime = self._start_node_runtime(num_nvl_bytes)
+            self._net = self._start_internode(num_rdma_bytes)
+        elif not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
             self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s)
             handles: List[Optional[bytes]] = [None] * info.num_ranks
             dist.all_gather_object(handles, self._runtime.ipc_handle(), group=info.group)
@@ -151,7 +213,7 @@ class NativeBackend(Backend):
 
     def _normal_mode_possible(self, num_nvl_bytes: int) -> bool:
         """In low-latency mode, whether normal-mode kernels can run on this buffer as well."""
-        return _C is not None and unsupported_reason(self.info, False, num_nvl_bytes) == ""
+        return _C is not None and self.info.is_intranode and unsupported_reason(self.info, False, num_nvl_bytes) == ""
 
     def _start_low_latency(self, num_rdma_bytes: int):
         """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the symmetric buffer."""
@@ -171,6 +233,56 @@ class NativeBackend(Backend):
         direct = runtime.direct_peers()
         logger.info("ep_plugin rank %d: low-latency symmetric buffer of %d bytes; peers over NVLink: %s, over the "
                     "network: %s", self.info.rank, num_rdma_bytes, [r for r, d in enumerate(direct) if d],
+                    [r for r, d in enumerate(direct) if not d])
+        return runtime
+
+    def _start_node_runtime(self, num_nvl_bytes: int):
+        """The intranode runtime over this rank's node (local rank, ranks_per_node ranks)."""
+        L = self.info.ranks_per_node
+        node, local = divmod(self.info.rank, L)
+        runtime = _C.IntranodeRuntime(local, L, num_nvl_bytes, self.settings.timeout_s)
+        handles: List[Optional[bytes]] = [None] * self.info.num_ranks
+        dist.all_gather_object(handles, runtime.ipc_handle(), group=self.info.group)
+        runtime.connect(handles[node * L:(node + 1) * L])
+        return runtime
+
+    def _default_rdma_bytes(self) -> int:
+        """Symmetric bytes for the configured sizes (buffer.max_hidden, dispatch/combine sections)."""
+        R, L = self.info.num_ranks, self.info.ranks_per_node
+        hidden_bytes = self.settings.buffer.max_hidden * 2
+        sizes = []
+        for base, section in ((default_dispatch_config(self.settings.num_sms, R), self.settings.dispatch),
+                              (default_combine_config(self.settings.num_sms, R), self.settings.combine)):
+            recv = section.rdma_chunked_recv_tokens or base.num_max_rdma_chunked_recv_tokens
+            config = Config(base.num_sms, 1, max(1, base.num_max_nvl_chunked_recv_tokens), 1, recv)
+            sizes.append(config.get_rdma_buffer_size_hint(hidden_bytes, R, L))
+        return max(sizes)
+
+    def _start_internode(self, num_rdma_bytes: int):
+        """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the network leg's buffer."""
+        if num_rdma_bytes == 0:
+            num_rdma_bytes = self._default_rdma_bytes()
+            logger.info("ep_plugin rank %d: num_rdma_bytes = 0 across %d nodes; using %d bytes (buffer.max_hidden = "
+                        "%d)", self.info.rank, self.info.num_nodes, num_rdma_bytes, self.settings.buffer.max_hidden)
+            self.num_rdma_bytes = num_rdma_bytes
+        if num_rdma_bytes <= _C_nvshmem.INTERNODE_HEADER_BYTES:
+            raise ValueError(f"num_rdma_bytes = {num_rdma_bytes} is too small for native internode mode; size it with "
+                             f"Config.get_rdma_buffer_size_hint(hidden_bytes, {self.info.num_ranks}, "
+                             f"ranks_per_node={self.info.ranks_per_node})")
+        torch.cuda.set_device(self.info.device)  # NVSHMEM binds each PE to the current device
+        heap = (num_rdma_bytes + NVSHMEM_HEAP_MARGIN_BYTES + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+        if os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap)) != str(heap):
+            logger.info("ep_plugin: keeping NVSHMEM_SYMMETRIC_SIZE=%s (the buffer needs %d bytes)",
+                        os.environ["NVSHMEM_SYMMETRIC_SIZE"], num_rdma_bytes)
+        unique_id = _C_nvshmem.create_unique_id() if self.info.rank == 0 else None
+        ids: List[Optional[bytes]] = [None] * self.info.num_ranks
+        dist.all_gather_object(ids, unique_id, group=self.info.group)
+        runtime = _C_nvshmem.InternodeRuntime(self.info.rank, self.info.num_ranks, self.info.ranks_per_node,
+                                              num_rdma_bytes, self.settings.timeout_s, ids[0])
+        direct = runtime.direct_peers()
+        logger.info("ep_plugin rank %d: internode mode, %d nodes x %d ranks; symmetric buffer of %d bytes; PEs over "
+                    "NVLink: %s, over the network: %s", self.info.rank, self.info.num_nodes,
+                    self.info.ranks_per_node, num_rdma_bytes, [r for r, d in enumerate(direct) if d],
                     [r for r, d in enumerate(direct) if not d])
         return runtime
 
@@ -209,6 +321,9 @@ class NativeBackend(Backend):
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
+        if self._net is not None:
+            return self._internode_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
         self._check_sms(config)
         T, K = topk_idx.shape
         R = self.info.num_ranks
@@ -268,6 +383,8 @@ class NativeBackend(Backend):
             num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream())
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
+        if isinstance(handle, InternodeHandle):
+            return self._internode_cached_dispatch(x, x_scales, handle, config)
         self._check_sms(config)
         rows = handle.num_recv_rows
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
@@ -277,6 +394,8 @@ class NativeBackend(Backend):
         return recv_x, recv_scales
 
     def combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
+        if isinstance(handle, InternodeHandle):
+            return self._internode_combine(x, handle, topk_weights, bias_0, bias_1, config)
         self._check_sms(config)
         T = handle.num_tokens
         combined_x = self._empty(T, x.size(1), dtype=torch.bfloat16)
@@ -289,6 +408,241 @@ class NativeBackend(Backend):
             send_pos=_address(handle.send_pos), bias_0=_address(bias_0), bias_1=_address(bias_1),
             combined_x=_address(combined_x), combined_topk_weights=_address(combined_weights),
             stream=self._stream())
+        return combined_x, combined_weights
+
+    # ---- internode normal mode (network leg + intranode stage) ------------------------------------
+    def _check_internode_sms(self, num_channels: int) -> None:
+        if 2 * num_channels > self._num_device_sms:
+            raise ValueError(f"the network leg needs {2 * num_channels} SMs (2 per channel), more than the "
+                             f"{self._num_device_sms} of this GPU")
+
+    def _prepare_rings(self, kind: int, geometry: Tuple[int, int, int], after_notify: bool) -> None:
+        """Keep the network leg's rings consistent when a call changes their geometry.
+
+        Rings are carved per call from (channels, slots, slot bytes). A notify step is a column
+        barrier (every peer has finished its earlier kernels), so after it any geometry is safe. A
+        combine or cached dispatch whose geometry differs from the last call of its kind could
+        overwrite slots a peer has not consumed yet: a barrier of every PE first. Every rank makes
+        the same calls with the same configs, so every rank takes the same decision.
+        """
+        if after_notify:
+            self._net_geometry = {_NET_DISPATCH: None, _NET_COMBINE: None}
+        last = self._net_geometry[kind]
+        if last is not None and last != geometry:
+            self._net.barrier(stream=self._stream())
+            self._net_geometry = {_NET_DISPATCH: None, _NET_COMBINE: None}
+        self._net_geometry[kind] = geometry
+
+    def _node_relative_ids(self, global_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+        """Global expert ids -> ids among this node's experts (-1 for experts on other nodes)."""
+        span = self.info.ranks_per_node * num_local_experts
+        first = (self.info.rank // self.info.ranks_per_node) * span
+        relative = global_ids - first
+        keep = (global_ids >= 0) & (relative >= 0) & (relative < span)
+        return torch.where(keep, relative, torch.full_like(relative, -1))
+
+    def _internode_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                            expert_alignment, num_worst_tokens, config: Config):
+        self._check_sms(config)
+        net = self._net
+        R, L, N = self.info.num_ranks, self.info.ranks_per_node, self.info.num_nodes
+        T, K = topk_idx.shape
+        num_experts = num_tokens_per_expert.size(0)
+        num_local_experts = num_experts // R
+        if num_local_experts > _C.MAX_LOCAL_EXPERTS:
+            raise ValueError(f"{num_local_experts} experts per rank; the native kernels take at most "
+                             f"{_C.MAX_LOCAL_EXPERTS}")
+        C, S = config.num_channels, config.num_max_rdma_chunked_recv_tokens
+        self._check_internode_sms(C)
+        row_bytes = x.size(1) * x.element_size()
+        num_scales = 0 if x_scales is None else x_scales.size(1)
+        has_weights = topk_weights is not None
+        stream = self._stream()
+
+        # Network leg, notify: counts per (node, channel); forwarder rows of every source.
+        is_token_in_node = is_token_in_rank.view(T, N, L).any(dim=2).contiguous()
+        send_counts = self._empty(N * C, dtype=torch.int32)
+        recv_offsets = self._empty(N * C + 1, dtype=torch.int32)
+        num_forward_device = self._empty(1, dtype=torch.int32)
+        graph = num_worst_tokens > 0
+        # A forwarder row reaches at least one rank of the node: at most L * num_worst_tokens of them.
+        capacity = num_worst_tokens * L if graph else 0
+        tag = 0
+        if not graph:
+            self._net_tag += 1
+            tag = self._net_tag
+        net.notify(num_channels=C, num_tokens=T, is_token_in_node=_address(is_token_in_node), row_bytes=row_bytes,
+                   num_scales=num_scales, num_topk=K, has_weights=has_weights, send_counts=_address(send_counts),
+                   recv_offsets=_address(recv_offsets), num_recv=_address(num_forward_device), capacity=capacity,
+                   host_tag=tag, stream=stream)
+        F = capacity if graph else net.wait_notify(tag=tag, stream=stream)
+
+        # Network leg, data: one row per (token, destination node) into the forwarders' rows.
+        fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
+        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
+        fwd_topk = self._empty(F, K, dtype=torch.int64)
+        fwd_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
+        send_pos = self._empty(T, N, dtype=torch.int32)
+        slot_bytes = _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, K, has_weights)
+        self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=True)
+        net.dispatch(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T, row_bytes=row_bytes,
+                     num_scales=num_scales, num_topk=K, has_weights=has_weights, x=_address(x),
+                     x_scales=_address(x_scales), topk_idx=_address(topk_idx), topk_weights=_address(topk_weights),
+                     is_token_in_node=_address(is_token_in_node), send_pos=_address(send_pos),
+                     recv_offsets=_address(recv_offsets), capacity=F, recv_x=_address(fwd_x),
+                     recv_x_scales=_address(fwd_scales), recv_topk_idx=_address(fwd_topk),
+                     recv_topk_weights=_address(fwd_weights), recv_src_idx=0, stream=stream)
+
+        # Intranode stage: the forwarder rows are this rank's "tokens" inside the node.
+        node_topk = self._node_relative_ids(fwd_topk, num_local_experts)
+        node_experts = L * num_local_experts
+        node_per_rank = self._empty(L, dtype=torch.int32)
+        node_per_expert = self._empty(node_experts, dtype=torch.int32)
+        node_in_rank = self._empty(F, L, dtype=torch.bool)
+        _C.get_dispatch_layout(topk_idx=_address(node_topk), num_tokens=F, num_topk=K, num_experts=node_experts,
+                               num_ranks=L, ranks_per_node=L, num_tokens_per_rank=_address(node_per_rank),
+                               num_tokens_per_node=0, num_tokens_per_expert=_address(node_per_expert),
+                               is_token_in_rank=_address(node_in_rank), stream=stream)
+        node_send_pos = self._empty(F, L, dtype=torch.int32)
+        node_rank_offsets = self._empty(L + 1, dtype=torch.int32)
+        node_src_tokens = self._empty(L, dtype=torch.int32)
+        node_num_recv = self._empty(1, dtype=torch.int32)
+        node_tag = 0
+        if not graph:
+            self._notify_tag += 1
+            node_tag = self._notify_tag
+        self._intranode().notify(is_token_in_rank=_address(node_in_rank),
+                                 num_tokens_per_expert=_address(node_per_expert), topk_idx=_address(node_topk),
+                                 num_tokens=F, num_topk=K, num_experts=node_experts,
+                                 expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                 send_pos=_address(node_send_pos), recv_rank_offsets=_address(node_rank_offsets),
+                                 src_num_tokens=_address(node_src_tokens), num_recv_tokens=_address(node_num_recv),
+                                 host_tag=node_tag, stream=stream)
+        if not graph:
+            num_recv, per_expert = self._intranode().wait_notify(tag=node_tag, num_local_experts=num_local_experts,
+                                                                 stream=stream)
+            rows = num_recv
+        else:
+            num_recv, per_expert, rows = None, [], num_worst_tokens
+        recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
+        recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
+        recv_topk_idx = self._empty(rows, K, dtype=torch.int64)
+        recv_topk_weights = None if topk_weights is None else self._empty(rows, K, dtype=torch.float32)
+        recv_src_idx = self._empty(rows, dtype=torch.int32)
+        self._launch_dispatch(fwd_x, fwd_scales, node_topk, fwd_weights, node_send_pos, recv_x, recv_scales,
+                              recv_topk_idx, recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens,
+                              node_num_recv, config)
+        node = NativeHandle(owner=self, num_tokens=F, num_recv_rows=rows, num_recv_tokens=num_recv,
+                            num_worst_tokens=num_worst_tokens, is_token_in_rank=node_in_rank, send_pos=node_send_pos,
+                            recv_rank_offsets=node_rank_offsets, src_num_tokens=node_src_tokens,
+                            recv_src_idx=recv_src_idx, num_recv_device=node_num_recv)
+
+        perm = inv_perm = None
+        if L > 1:
+            perm, inv_perm = self._source_order(recv_offsets, F, C, node, config)
+            recv_x = _take(recv_x, perm)
+            recv_scales = _take(recv_scales, perm)
+            recv_topk_idx = _take(recv_topk_idx, perm)
+            recv_topk_weights = _take(recv_topk_weights, perm)
+        handle = InternodeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_worst_tokens=num_worst_tokens,
+                                 num_channels=C, dispatch_slot_bytes=slot_bytes, is_token_in_node=is_token_in_node,
+                                 send_pos=send_pos, send_counts=send_counts, recv_offsets=recv_offsets,
+                                 num_forward_rows=F, node=node, perm=perm, inv_perm=inv_perm)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
+
+    def _source_order(self, recv_offsets: torch.Tensor, F: int, C: int, node: "NativeHandle", config: Config):
+        """Permutation that puts the intranode stage's rows (by forwarder, then source node, then token)
+        into the reference order (source rank = source node * L + forwarder, then token); padding last.
+
+        The source node of each forwarder row travels to its final rank through a cached intranode
+        dispatch of a 16-byte tag per row. Graph-capturable (no host synchronisation).
+        """
+        L, N = self.info.ranks_per_node, self.info.num_nodes
+        device = self.info.device
+        node_starts = recv_offsets[0:N * C:C].contiguous()
+        rows_fwd = torch.arange(F, dtype=torch.int32, device=device)
+        src_node = (torch.searchsorted(node_starts, rows_fwd, right=True) - 1).to(torch.int32)
+        tag = torch.zeros(F, 4, dtype=torch.int32, device=device)
+        tag[:, 0] = src_node
+        tag_bf16 = tag.view(torch.bfloat16)  # [F, 8]: one 16-byte row per forwarder row
+        rows = node.num_recv_rows
+        recv_tag = self._empty(rows, 8, dtype=torch.bfloat16)
+        self._launch_dispatch(tag_bf16, None, None, None, node.send_pos, recv_tag, None, None, None, None, 1,
+                              node.num_worst_tokens, node.num_recv_device, config)
+        final_src_node = recv_tag.view(torch.int32)[:, 0].to(torch.int64)
+        index = torch.arange(rows, dtype=torch.int32, device=device)
+        forwarder = torch.searchsorted(node.recv_rank_offsets[1:].contiguous(), index, right=True).to(torch.int64)
+        key = final_src_node * L + forwarder
+        key = torch.where(index.to(torch.int64) < node.num_recv_device.to(torch.int64),
+                          key, torch.full_like(key, self.info.num_ranks))
+        perm = torch.sort(key, stable=True).indices
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(rows, dtype=perm.dtype, device=device)
+        return perm, inv_perm
+
+    def _internode_cached_dispatch(self, x, x_scales, handle: "InternodeHandle", config: Config):
+        self._check_sms(config)
+        net = self._net
+        C, S = handle.num_channels, config.num_max_rdma_chunked_recv_tokens
+        self._check_internode_sms(C)
+        T, F = handle.num_tokens, handle.num_forward_rows
+        row_bytes = x.size(1) * x.element_size()
+        num_scales = 0 if x_scales is None else x_scales.size(1)
+        # The dispatch's slot size when the row fits it, so that the rings keep their geometry.
+        slot_bytes = max(handle.dispatch_slot_bytes,
+                         _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, 0, False))
+        self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=False)
+        fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
+        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
+        net.dispatch(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T, row_bytes=row_bytes,
+                     num_scales=num_scales, num_topk=0, has_weights=False, x=_address(x), x_scales=_address(x_scales),
+                     topk_idx=0, topk_weights=0, is_token_in_node=_address(handle.is_token_in_node), send_pos=0,
+                     recv_offsets=_address(handle.recv_offsets), capacity=F, recv_x=_address(fwd_x),
+                     recv_x_scales=_address(fwd_scales), recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0,
+                     stream=self._stream())
+        node = handle.node
+        rows = node.num_recv_rows
+        recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
+        recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
+        self._launch_dispatch(fwd_x, fwd_scales, None, None, node.send_pos, recv_x, recv_scales, None, None, None, 1,
+                              node.num_worst_tokens, node.num_recv_device, config)
+        if handle.perm is not None:
+            recv_x, recv_scales = _take(recv_x, handle.perm), _take(recv_scales, handle.perm)
+        return recv_x, recv_scales
+
+    def _internode_combine(self, x, handle: "InternodeHandle", topk_weights, bias_0, bias_1, config: Config):
+        self._check_sms(config)
+        net = self._net
+        C, S = handle.num_channels, config.num_max_rdma_chunked_recv_tokens
+        self._check_internode_sms(C)
+        T, F, H = handle.num_tokens, handle.num_forward_rows, x.size(1)
+        K = 0 if topk_weights is None else topk_weights.size(1)
+        if handle.inv_perm is not None:  # back to the intranode stage's row order
+            x = _take(x, handle.inv_perm)
+            topk_weights = _take(topk_weights, handle.inv_perm)
+        node = handle.node
+        # Intranode stage: one partial row per forwarder row, reduced over the node's ranks.
+        partial_x = self._empty(F, H, dtype=torch.bfloat16)
+        partial_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
+        self._intranode().combine(
+            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
+            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=F, hidden=H, num_topk=K, x=_address(x),
+            topk_weights=_address(topk_weights), recv_src_idx=_address(node.recv_src_idx),
+            recv_rank_offsets=_address(node.recv_rank_offsets), src_num_tokens=_address(node.src_num_tokens),
+            send_pos=_address(node.send_pos), bias_0=0, bias_1=0, combined_x=_address(partial_x),
+            combined_topk_weights=_address(partial_weights), stream=self._stream())
+        # Network leg: one row per (token, node) back to the source, summed there with the biases.
+        slot_bytes = _C_nvshmem.internode_combine_slot_bytes(H, K)
+        self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
+        combined_x = self._empty(T, H, dtype=torch.bfloat16)
+        combined_weights = None if topk_weights is None else self._empty(T, K, dtype=torch.float32)
+        net.combine(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, hidden=H, num_topk=K, capacity=F,
+                    partial_x=_address(partial_x), partial_weights=_address(partial_weights),
+                    recv_offsets=_address(handle.recv_offsets), num_tokens=T,
+                    is_token_in_node=_address(handle.is_token_in_node), send_pos=_address(handle.send_pos),
+                    send_counts=_address(handle.send_counts), bias_0=_address(bias_0), bias_1=_address(bias_1),
+                    combined_x=_address(combined_x), combined_weights=_address(combined_weights),
+                    stream=self._stream())
         return combined_x, combined_weights
 
     def handle_num_recv_rows(self, handle: NativeHandle) -> int:
@@ -434,8 +788,19 @@ class NativeBackend(Backend):
             dist.barrier(group=self.info.group)
         if self._runtime is not None:
             self._runtime.destroy()
+        if self._net is not None:
+            self._net.destroy(collective=collective)
         if self._ll is not None:
             self._ll.destroy(collective=collective)
+
+
+def _take(tensor: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tensor]:
+    """tensor[index] along dim 0 for any dtype (FP8 through its bytes); None stays None."""
+    if tensor is None:
+        return None
+    if tensor.element_size() == 1 and tensor.dtype != torch.uint8:
+        return tensor.view(torch.uint8)[index].view(tensor.dtype)
+    return tensor[index]
 
 
 def _receive_hook(receive: Callable[[], None]) -> Callable[[], None]:
