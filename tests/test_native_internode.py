@@ -120,8 +120,9 @@ def make_buffers(group, ranks_per_node: int = 1, num_sms: int = 24, timeout_s: f
     num_nvl_bytes = max(c.get_nvl_buffer_size_hint(MAX_HIDDEN * 2, ranks_per_node) for c in _configs(num_sms, R))
     num_rdma_bytes = max(c.get_rdma_buffer_size_hint(MAX_HIDDEN * 2, R, ranks_per_node) for c in _configs(num_sms, R))
     topology = {"ranks_per_node": ranks_per_node}
+    # transport: nvlink -> NVSHMEM_REMOTE_TRANSPORT=none: the emulated nodes share one host.
     native = Buffer(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True,
-                    config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
+                    config={"backend": "native", "transport": "nvlink", "num_sms": num_sms, "timeout_s": timeout_s,
                             "check_inputs": check_inputs, "topology": topology})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference", "topology": topology})
     assert native.backend_name == "native" and reference.backend_name == "reference"
@@ -226,7 +227,7 @@ CASE_NAMES = [c["name"] for c in CASES]
 
 @pytest.fixture(scope="module")
 def two_node_results():
-    return parallel_launch(2, cases_rank, 1, CASE_NAMES, timeout_s=900.0)
+    return parallel_launch(2, cases_rank, 1, CASE_NAMES, timeout_s=480.0)
 
 
 @needs_gpus(2)
@@ -240,7 +241,7 @@ def test_emulated_two_nodes(two_node_results, case):
 def test_emulated_four_ranks(ranks_per_node):
     names = ["hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one", "routing_one_rank", "empty_rank",
              "bias2", "small_ring", "ring_change", "alignment128"]
-    results = parallel_launch(4, cases_rank, ranks_per_node, names, timeout_s=900.0)
+    results = parallel_launch(4, cases_rank, ranks_per_node, names, timeout_s=480.0)
     for name in names:
         assert_case_passed(results, name, f"4 GPUs as {4 // ranks_per_node} nodes x {ranks_per_node}")
 
@@ -341,7 +342,7 @@ def long_run_rank(rank: int, R: int, group, iterations: int) -> int:
 
 @needs_gpus(2)
 def test_300_back_to_back_iterations():
-    assert parallel_launch(2, long_run_rank, 300, timeout_s=900.0) == [300, 300]
+    assert parallel_launch(2, long_run_rank, 300, timeout_s=480.0) == [300, 300]
 
 
 # ---- failures: a missing peer, ranks that disagree ----------------------------------------------------
@@ -421,7 +422,7 @@ def test_ranks_that_disagree_on_the_row_layout_fail_on_every_rank():
 
 def auto_rank(rank: int, R: int, group) -> str:
     buffer = Buffer(group, 4 << 20, 0, explicitly_destroy=True,
-                    config={"backend": "auto", "topology": {"ranks_per_node": 1}})
+                    config={"backend": "auto", "transport": "nvlink", "topology": {"ranks_per_node": 1}})
     name = buffer.backend_name
     buffer.destroy()
     return name
