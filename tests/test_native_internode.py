@@ -101,6 +101,60 @@ def test_auto_keeps_the_reference_until_verified():
     assert "ranks per node" in native.unsupported_reason(wide, False, nvl, requested="native")
 
 
+def _channel_range(num_tokens: int, num_channels: int, ch: int):
+    """csrc/kernels/internode_layout.cuh channel_range."""
+    per = (num_tokens + num_channels - 1) // num_channels
+    return min(ch * per, num_tokens), min(ch * per + per, num_tokens)
+
+
+@pytest.mark.parametrize("num_nodes,ranks_per_node,num_channels,padding", [
+    (2, 1, 3, 0), (2, 2, 3, 0), (3, 2, 4, 5), (2, 4, 1, 0), (4, 2, 5, 7)])
+def test_two_stage_order_model_matches_the_reference_order(num_nodes, ranks_per_node, num_channels, padding):
+    """A pure-torch model of the two stages, in the order the kernels produce rows, checks that the
+    backend's permutation helpers give the reference order (source rank, then source token)."""
+    from ep_plugin.backends.native import forwarder_source_nodes, source_order
+    N, L, C = num_nodes, ranks_per_node, num_channels
+    R = N * L
+    gen = torch.Generator().manual_seed(N * 100 + L * 10 + C)
+    tokens = [int(torch.randint(0, 12, (1,), generator=gen)) for _ in range(R)]
+    in_rank = [torch.rand(tokens[r], R, generator=gen) < 0.4 for r in range(R)]
+    for n, j in itertools.product(range(N), range(L)):
+        dst = n * L + j
+        # Network leg: forwarder (n, l) holds rows of sources (m, l), by source node, channel, token.
+        forwarder_rows, forwarder_offsets = {}, {}
+        for l in range(L):
+            rows_fwd, offsets = [], []
+            for m in range(N):
+                src = m * L + l
+                in_node = in_rank[src].view(tokens[src], N, L).any(dim=2)[:, n]
+                for ch in range(C):
+                    offsets.append(len(rows_fwd))
+                    begin, end = _channel_range(tokens[src], C, ch)
+                    rows_fwd += [(src, t) for t in range(begin, end) if bool(in_node[t])]
+            offsets.append(len(rows_fwd))
+            forwarder_rows[l], forwarder_offsets[l] = rows_fwd, torch.tensor(offsets, dtype=torch.int32)
+            got_nodes = forwarder_source_nodes(forwarder_offsets[l], len(rows_fwd), C, N)
+            assert got_nodes.tolist() == [src // L for src, _ in rows_fwd]
+        # Intranode stage at (n, j): blocks by forwarder l, each in the forwarder's row order.
+        intra, tags, block_offsets = [], [], [0]
+        for l in range(L):
+            for (src, t), node_of_row in zip(forwarder_rows[l], forwarder_source_nodes(
+                    forwarder_offsets[l], len(forwarder_rows[l]), C, N).tolist()):
+                if bool(in_rank[src][t, dst]):
+                    intra.append((src, t))
+                    tags.append(node_of_row)
+            block_offsets.append(len(intra))
+        num_recv = len(intra)
+        tags += [12345] * padding  # padding rows carry garbage tags
+        perm, inv_perm = source_order(torch.tensor(tags, dtype=torch.int32),
+                                      torch.tensor(block_offsets, dtype=torch.int32),
+                                      torch.tensor([num_recv], dtype=torch.int32), L, R)
+        want = [(src, t) for src in range(R) for t in range(tokens[src]) if bool(in_rank[src][t, dst])]
+        assert [intra[i] for i in perm[:num_recv].tolist()] == want
+        assert sorted(perm[num_recv:].tolist()) == list(range(num_recv, num_recv + padding))
+        assert torch.equal(perm[inv_perm], torch.arange(num_recv + padding))
+
+
 # ---- GPU helpers (run inside the spawned ranks) --------------------------------------------------------
 MAX_HIDDEN = 8192
 SMALL_RING = Config(24, 2, 16, 2, 2)      # two ring slots: every few tokens wait for the receiver

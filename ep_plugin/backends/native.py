@@ -557,11 +557,8 @@ class NativeBackend(Backend):
         The source node of each forwarder row travels to its final rank through a cached intranode
         dispatch of a 16-byte tag per row. Graph-capturable (no host synchronisation).
         """
-        L, N = self.info.ranks_per_node, self.info.num_nodes
         device = self.info.device
-        node_starts = recv_offsets[0:N * C:C].contiguous()
-        rows_fwd = torch.arange(F, dtype=torch.int32, device=device)
-        src_node = (torch.searchsorted(node_starts, rows_fwd, right=True) - 1).to(torch.int32)
+        src_node = forwarder_source_nodes(recv_offsets, F, C, self.info.num_nodes)
         tag = torch.zeros(F, 4, dtype=torch.int32, device=device)
         tag[:, 0] = src_node
         tag_bf16 = tag.view(torch.bfloat16)  # [F, 8]: one 16-byte row per forwarder row
@@ -569,16 +566,9 @@ class NativeBackend(Backend):
         recv_tag = self._empty(rows, 8, dtype=torch.bfloat16)
         self._launch_dispatch(tag_bf16, None, None, None, node.send_pos, recv_tag, None, None, None, None, 1,
                               node.num_worst_tokens, node.num_recv_device, config)
-        final_src_node = recv_tag.view(torch.int32)[:, 0].to(torch.int64)
-        index = torch.arange(rows, dtype=torch.int32, device=device)
-        forwarder = torch.searchsorted(node.recv_rank_offsets[1:].contiguous(), index, right=True).to(torch.int64)
-        key = final_src_node * L + forwarder
-        key = torch.where(index.to(torch.int64) < node.num_recv_device.to(torch.int64),
-                          key, torch.full_like(key, self.info.num_ranks))
-        perm = torch.sort(key, stable=True).indices
-        inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(rows, dtype=perm.dtype, device=device)
-        return perm, inv_perm
+        final_src_node = recv_tag.view(torch.int32)[:, 0]
+        return source_order(final_src_node, node.recv_rank_offsets, node.num_recv_device, self.info.ranks_per_node,
+                            self.info.num_ranks)
 
     def _internode_cached_dispatch(self, x, x_scales, handle: "InternodeHandle", config: Config):
         self._check_sms(config)
@@ -792,6 +782,40 @@ class NativeBackend(Backend):
             self._net.destroy(collective=collective)
         if self._ll is not None:
             self._ll.destroy(collective=collective)
+
+
+def forwarder_source_nodes(recv_offsets: torch.Tensor, num_rows: int, num_channels: int,
+                           num_nodes: int) -> torch.Tensor:
+    """int32 [num_rows]: the source node of each forwarder row.
+
+    recv_offsets: int32 [N * C + 1], first forwarder row of (source node, channel), source-major.
+    Rows past the received count get the last node (they are padding and never forwarded).
+    """
+    node_starts = recv_offsets[0:num_nodes * num_channels:num_channels].contiguous()
+    rows = torch.arange(num_rows, dtype=recv_offsets.dtype, device=recv_offsets.device)
+    return (torch.searchsorted(node_starts, rows, right=True) - 1).to(torch.int32)
+
+
+def source_order(final_src_node: torch.Tensor, recv_rank_offsets: torch.Tensor, num_recv: torch.Tensor,
+                 ranks_per_node: int, num_ranks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(perm, inv_perm), int64 [rows]: final row i is intranode-stage row perm[i].
+
+    The intranode stage yields rows by forwarder (its local rank l, blocks at recv_rank_offsets
+    [L + 1]), then by the forwarder's row order (source node m, then source token). The reference
+    order is by source rank m * L + l, then source token: a stable sort by that key. Rows at or
+    past num_recv ([1] int32, on the device) are padding and stay last.
+    """
+    rows = final_src_node.size(0)
+    device = final_src_node.device
+    index = torch.arange(rows, dtype=torch.int64, device=device)
+    forwarder = torch.searchsorted(recv_rank_offsets[1:].contiguous(), index.to(recv_rank_offsets.dtype),
+                                   right=True).to(torch.int64)
+    key = final_src_node.to(torch.int64) * ranks_per_node + forwarder
+    key = torch.where(index < num_recv.to(torch.int64), key, torch.full_like(key, num_ranks))
+    perm = torch.sort(key, stable=True).indices
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = index
+    return perm, inv_perm
 
 
 def _take(tensor: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tensor]:
