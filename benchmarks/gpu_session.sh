@@ -83,7 +83,8 @@ for s in $STAGES; do
       ;;
     internode)
       stage tests timeout "${INTERNODE_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs --durations=10 tests/test_native_internode.py
-      printf 'backend: native\ntopology: {ranks_per_node: 1}\n' > /tmp/emulated_2x1.yaml
+      # Emulation: 2 "nodes" x 1 GPU; the network leg runs through NVSHMEM over NVLink underneath.
+      printf 'backend: native\ntransport: nvlink\ntopology: {ranks_per_node: 1}\n' > /tmp/emulated_2x1.yaml
       bench internode_emulated_bf16 --config /tmp/emulated_2x1.yaml --num-sms 24 --dtype bf16
       ;;
     megatron)

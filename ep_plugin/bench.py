@@ -38,7 +38,7 @@ CPU_DEFAULTS = {"normal": dict(num_tokens=256, hidden=512, num_topk=4, num_exper
 @dataclass
 class BenchSettings:
     mode: str = "normal"
-    backend: str = "auto"
+    backend: Optional[str] = None       # None: the config's backend
     config_path: Optional[str] = None
     num_ranks: Optional[int] = None
     num_tokens: Optional[int] = None
@@ -158,8 +158,11 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 # ---- one rank -----------------------------------------------------------------------------------
-def _make_config(s: BenchSettings, backend: str) -> EpConfig:
-    overrides = {"backend": backend, "mode": s.mode, "check_inputs": False}
+def _make_config(s: BenchSettings, backend: Optional[str]) -> EpConfig:
+    """The run's config: the file (if any), then the bench's flags; `backend` None keeps the file's."""
+    overrides = {"mode": s.mode, "check_inputs": False}
+    if backend is not None:
+        overrides["backend"] = backend
     if s.num_sms is not None:
         overrides["num_sms"] = s.num_sms
     if s.mode == "low_latency":

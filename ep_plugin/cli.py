@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run dispatch + combine on random routing, verified and timed")
     bench.add_argument("--config", help="YAML config (default: $EP_PLUGIN_CONFIG or built-in defaults)")
-    bench.add_argument("--backend", choices=("auto", "native", "reference"), default="auto")
+    bench.add_argument("--backend", choices=("auto", "native", "reference"), default=None,
+                       help="default: the config's backend (auto unless the file says otherwise)")
     bench.add_argument("--mode", choices=("normal", "low_latency"), default=None,
                        help="default: the config's mode")
     bench.add_argument("--ranks", type=int, default=None, help="processes (default: one per GPU, or 2 on CPU)")

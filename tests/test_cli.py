@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ep_plugin import cli
 
@@ -90,3 +91,17 @@ def test_config_check_names_the_bad_key(tmp_path, capsys):
     assert cli.main(["config", "check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "num_smz" in err and str(bad) in err
+
+
+def test_bench_backend_comes_from_the_config_unless_given(tmp_path):
+    """A file that names the native backend is obeyed (here, without GPUs, that fails loudly); the flag wins."""
+    config = tmp_path / "native.yaml"
+    config.write_text("backend: native\n")
+    sizes = ["--tokens", "16", "--hidden", "128", "--topk", "2", "--experts", "4", "--no-baseline"]
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="backend 'native' requested but unavailable"):
+            run_bench(tmp_path, "--config", str(config), *sizes)
+    report = run_bench(tmp_path, "--config", str(config), "--backend", "reference", *sizes)
+    assert report["runs"][0]["backend"] == "reference" and report["runs"][0]["checked"]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--backend", "fastest"])
