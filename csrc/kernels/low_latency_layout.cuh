@@ -292,8 +292,16 @@ __device__ __forceinline__ void put_with_signal(void* dst, const void* src, int6
 
 // Announces `count` messages on `signal` (symmetric) of `pe`. One thread; no ordering needed
 // (the receiver compares the arrivals with the count).
+// NOTE: same path as the word's arrivals (publish_direct / put_with_signal). nvshmemx_signal_op
+// sends an ADD through the network transport whenever the job is not NVLink-only, even to a peer
+// NVLink reaches; a NIC's atomic is not atomic with the GPU's NVLink atomics on the same word.
 __device__ __forceinline__ void announce_count(uint64_t* signal, uint32_t count, int pe) {
-  nvshmemx_signal_op(signal, count_signal(count), NVSHMEM_SIGNAL_ADD, pe);
+  uint64_t* peer_signal = static_cast<uint64_t*>(nvshmem_ptr(signal, pe));
+  if (peer_signal != nullptr) {
+    red_add_release_sys(peer_signal, count_signal(count));
+  } else {
+    nvshmemx_signal_op(signal, count_signal(count), NVSHMEM_SIGNAL_ADD, pe);
+  }
 }
 
 }  // namespace ep_plugin::low_latency
