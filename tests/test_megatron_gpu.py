@@ -85,7 +85,9 @@ def _layer(config, seed: int):
 
 
 def _assert_close(name: str, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> None:
-    """bf16 tolerance: relative 2e-2, absolute 1e-2 of the largest magnitude (different summation orders)."""
+    """bf16 tolerance: relative 2e-2, absolute 1e-2 of the largest magnitude (different summation orders);
+    and the whole tensor within 2e-2 in norm, which the elementwise bounds alone are too wide to see: a
+    uniform 3% error passes them almost everywhere (bf16 rounding gives well under 1e-2 in norm)."""
     if actual is None or expected is None:
         other = actual if actual is not None else expected
         assert other is None or float(other.abs().max()) == 0, f"{name}: one side has no value"
@@ -93,6 +95,8 @@ def _assert_close(name: str, actual: Optional[torch.Tensor], expected: Optional[
     expected = expected.float()
     scale = max(float(expected.abs().max()), 1e-6)
     torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=1e-2 * scale, msg=lambda m: f"{name}: {m}")
+    error, size = float((actual.float() - expected).norm()), float(expected.norm())
+    assert error <= 2e-2 * size, f"{name}: relative error {error / size:.3g} in norm, more than 2e-2"
 
 
 # ---- cases ------------------------------------------------------------------------------------------
@@ -127,6 +131,17 @@ def _layer_case(name: str, seed: int) -> None:
         _assert_close(f"gradient of {param_name}", params[param_name], param_grad)
 
 
+def _reset_moe_metrics() -> None:
+    """Forget Megatron's per-layer aux-loss metrics: the tracker sizes each metric by the num_layers of its first
+    record (1, from the layer cases), and a later 2-layer model's second layer would index past it."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # 0.19+
+        destroy_moe_metrics_tracker()
+    except ImportError:
+        from megatron.core import parallel_state
+        getattr(parallel_state, "_MOE_LAYER_WISE_LOGGING_TRACKER", {}).clear()
+
+
 def _gpt(dispatcher: str, seed: int):
     """A small MoE GPT (local spec), wrapped in Float16Module as Megatron-LM does for bf16 training."""
     from megatron.core.models.gpt import GPTModel
@@ -134,6 +149,7 @@ def _gpt(dispatcher: str, seed: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    _reset_moe_metrics()
     # No dropout: both runs must see the same function (their RNG streams differ).
     config = _config(dispatcher, num_layers=GPT_LAYERS, num_moe_experts=4, hidden_size=256, ffn_hidden_size=512,
                      moe_ffn_hidden_size=512, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
@@ -145,7 +161,7 @@ def _gpt(dispatcher: str, seed: int):
 
 
 def _train(model, seed: int) -> List[float]:
-    """GPT_STEPS Adam steps on fixed random data; dense gradients averaged over the data-parallel group
+    """GPT_STEPS Adam steps on one fixed random batch; dense gradients averaged over the data-parallel group
     (expert gradients stay: expert data parallelism is 1 here). Returns the global mean loss per step."""
     from megatron.core import parallel_state
 
@@ -153,9 +169,11 @@ def _train(model, seed: int) -> List[float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator(device="cuda").manual_seed(seed * 13 + torch.distributed.get_rank())
     position_ids = torch.arange(GPT_SEQ, device="cuda").unsqueeze(0).expand(GPT_BATCH, -1)
+    # One fixed batch, seen every step: uniform random tokens are unlearnable (fresh ones each step keep
+    # the loss at ln(vocab) or above), but a fixed batch is memorised, so the loss must go down.
+    tokens = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ + 1), generator=gen, device="cuda")
     losses = []
     for _ in range(GPT_STEPS):
-        tokens = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ + 1), generator=gen, device="cuda")
         loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -204,7 +222,9 @@ def gpu_worker(rank: int, world: int, group, seed: int) -> Dict[str, Optional[st
 # ---- pytest -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def launch():
-    return parallel_launch(2, gpu_worker, BASE_SEED, timeout_s=600)
+    # 180 s per collective, 240 s for the results: inside the 300 s that benchmarks/gpu_session.sh gives this file,
+    # so a hang is reported (and the ranks ended) before the outer timeout kills pytest without a word.
+    return parallel_launch(2, gpu_worker, BASE_SEED, timeout_s=180)
 
 
 @pytest.mark.parametrize("case", CASES)
