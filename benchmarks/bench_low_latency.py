@@ -144,7 +144,7 @@ def bench_rank(rank: int, R: int, group, args: argparse.Namespace) -> dict:
     t_max = max(points)
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(t_max, H, R, E)
     native = Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, explicitly_destroy=True,
-                    config={"backend": "native", "timeout_s": 60})
+                    config={"backend": "native", "timeout_s": 60, "transport": "nvlink"})  # one host: no NIC probing
     reference = Buffer(group, 0, 0, low_latency_mode=True, explicitly_destroy=True, config={"backend": "reference"})
     scale_bytes = 4 * math.ceil(H / 128)
     results = []

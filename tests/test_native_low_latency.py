@@ -167,8 +167,10 @@ class Ctx:
     def __init__(self, rank: int, R: int, group, seed: int, timeout_s: float = 30.0) -> None:
         self.rank, self.R, self.group, self.seed = rank, R, group, seed
         size = Buffer.get_low_latency_rdma_size_hint(T_MAX, MAX_HIDDEN, R, NUM_EXPERTS)
+        # NOTE: transport nvlink (NVSHMEM_REMOTE_TRANSPORT=none, IBGDA off): both GPUs share NVLink, and
+        # NVSHMEM then probes no NIC at start (low-latency mode's auto transport asks for IBGDA).
         self.native = Buffer(group, 0, size, low_latency_mode=True, explicitly_destroy=True,
-                             config={"backend": "native", "timeout_s": timeout_s})
+                             config={"backend": "native", "timeout_s": timeout_s, "transport": "nvlink"})
         self.reference = Buffer(group, 0, 0, low_latency_mode=True, explicitly_destroy=True,
                                 config={"backend": "reference"})
         assert self.native.backend_name == "native" and self.reference.backend_name == "reference"
