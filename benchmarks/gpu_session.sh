@@ -12,8 +12,8 @@
 #   ll         native low-latency GPU tests, then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU), then an emulated bench
 #   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel)
-# Megatron needs `carry: [".whl"]` in the device call, after (here, once):
-#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+# Megatron needs `carry: [".whl"]` in the device call, after (here, once; .gitignore ignores /.whl/):
+#   python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 # A device session has about 30 minutes and each call at most 10: split the stages over calls,
