@@ -308,6 +308,7 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
         expert_s.copy_(expert_outputs(ctx, case_id + 1 + i, want[2].recv_shape, want[1].tolist()))
         recv_s[0].view(torch.uint8).fill_(0x7F)
         recv_s[1].fill_(0x7F7F7F7F)
+        count_s.fill_(-1)
         combined_s.fill_(float("nan"))
         graph.replay()
         compare_dispatch((recv_s, count_s), want, True)
