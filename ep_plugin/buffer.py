@@ -452,7 +452,8 @@ class Buffer:
                 block may be partial). round_scale: round scales up to powers of two.
                 use_ue8m0: pack the (power-of-two) scales as UE8M0 bytes, four per int32.
             async_finish, return_recv_hook: with the hook, the call only sends; calling
-                `hook()` completes the receive.
+                `hook()` completes the receive. Not both (as in DeepEP): the receive must be
+                ordered after the send on the stream that calls the hook.
 
         Returns:
             recv_x: bf16 `[E_local, R * T_max, H]`, or with FP8 a tuple of the fp8 tensor and its
@@ -484,9 +485,12 @@ class Buffer:
             raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
         if use_ue8m0 and not use_fp8:
             raise ValueError("use_ue8m0=True needs use_fp8=True")
+        V.check_hook_without_async(async_finish, return_recv_hook)
         if cumulative_local_expert_recv_stats is not None:
             V.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                            (torch.int32,), 1, device, (num_experts // self.group_size,))
+            if not cumulative_local_expert_recv_stats.is_contiguous():
+                raise ValueError("cumulative_local_expert_recv_stats must be contiguous (it is updated in place)")
         self._check_low_latency_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
         if self._settings.check_inputs:
             V.check_expert_ids("topk_idx", topk_idx, num_experts)
@@ -527,6 +531,7 @@ class Buffer:
             raise NotImplementedError("use_logfmt=True (DeepEP's LogFMT combine) is not supported by ep_plugin")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats is not supported by ep_plugin; pass None")
+        V.check_hook_without_async(async_finish, return_recv_hook)
         self._check_handle(handle)
         V.check_tensor("x", x, (torch.bfloat16,), 3, device, tuple(handle.recv_shape))
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)

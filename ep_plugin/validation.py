@@ -58,6 +58,13 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
                      f"[0, {num_experts})")
 
 
+def check_hook_without_async(async_finish: bool, return_recv_hook: bool) -> None:
+    """Low-latency calls take a receive hook or async_finish, not both (as DeepEP requires)."""
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish=True and return_recv_hook=True cannot be combined: with the hook, the "
+                         "receive runs when hook() is called, on the calling stream, after the send")
+
+
 def check_num_experts(num_experts: int, num_ranks: int) -> None:
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")

@@ -304,6 +304,12 @@ def case_bad_inputs(ctx: Ctx) -> None:
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats must have size"):
         buf.low_latency_dispatch(x, topk, 8, num_experts,
                                  cumulative_local_expert_recv_stats=torch.zeros(5, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        buf.low_latency_dispatch(x, topk, 8, num_experts,
+                                 cumulative_local_expert_recv_stats=torch.zeros(
+                                     2 * num_experts // ctx.num_ranks, dtype=torch.int32, device=dev)[::2])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        buf.low_latency_dispatch(x, topk, 8, num_experts, async_finish=True, return_recv_hook=True)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(x, topk, 8, num_experts,
                                  dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64, device=dev))
@@ -316,6 +322,8 @@ def case_bad_inputs(ctx: Ctx) -> None:
     layout = ctx.buffer.get_dispatch_layout(topk, num_experts)
     _, _, _, _, normal_handle, _ = buf.dispatch(x, topk_idx=topk, num_tokens_per_rank=layout[0],
                                                 is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        buf.low_latency_combine(recv, topk, weights, handle, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="handle does not come from this Buffer"):
         buf.low_latency_combine(recv, topk, weights, foreign)
     with pytest.raises(ValueError, match="handle does not come from this Buffer"):
