@@ -25,7 +25,7 @@ from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
 from ep_plugin.launch import parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from test_native_intranode import assert_same, make_inputs, poison_allocator, rows
+from native_helpers import assert_same, capture_graph, make_inputs, poison_allocator, rows
 
 try:
     from ep_plugin import _C_nvshmem
@@ -322,15 +322,7 @@ def graph_rank(rank: int, R: int, group, ranks_per_node: int, replays: int) -> i
         combined = backend.combine(out[0], out[5], out[3], None, None, config)
         return out, combined
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_s, combined_s = step()
+    graph, (out_s, combined_s) = capture_graph(step)
     for i in range(replays):
         x, topk_idx, weights = make_inputs(rank, R, case, seed=100 + i)
         x_s.copy_(x), topk_s.copy_(topk_idx), w_s.copy_(weights)

@@ -27,6 +27,7 @@ from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer
 from ep_plugin.launch import parallel_launch
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
+from native_helpers import capture_graph, poison_allocator
 
 try:
     from ep_plugin import _C_nvshmem
@@ -88,13 +89,6 @@ def test_nvshmem_module_is_built_where_nvshmem_is_installed():
 
 
 # ---- GPU helpers (run inside the spawned ranks) ------------------------------------------------------
-def poison_allocator(megabytes: int = 256) -> None:
-    """Fill soon-to-be-reused cached memory with 0x7F bytes (NaN in fp8, huge in bf16/fp32/int)."""
-    block = torch.empty(megabytes << 20, dtype=torch.uint8, device="cuda")
-    block.fill_(0x7F)
-    del block
-
-
 def route(kind: str, gen: torch.Generator, T: int, K: int, E: int, R: int) -> torch.Tensor:
     """[T, K] int64 expert ids, distinct per token (-1 = not routed)."""
     distinct = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K]
@@ -221,7 +215,7 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
     stats_reference = initial.clone() if stats else None
     kwargs = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
 
-    poison_allocator()
+    poison_allocator(256)
     got = ctx.native.low_latency_dispatch(x, ids, t_max, E, cumulative_local_expert_recv_stats=stats_native,
                                           return_recv_hook=hook, **kwargs)
     if hook:
@@ -245,7 +239,7 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
     if mask_after:
         combine_ids[torch.rand(ids.shape, generator=ctx.gen(case_id + 9000)).cuda() < 0.4] = -1
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda") if use_out else None
-    poison_allocator()
+    poison_allocator(256)
     combined, _, combine_hook = ctx.native.low_latency_combine(native_x, combine_ids, weights, got[2],
                                                                zero_copy=zero_copy, return_recv_hook=hook, out=out)
     if hook:
@@ -292,15 +286,7 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
         combined, _, _ = ctx.native.low_latency_combine(expert_s, ids_s, w_s, handle)
         return recv, count, combined
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recv_s, count_s, combined_s = step()
+    graph, (recv_s, count_s, combined_s) = capture_graph(step)
     for i in range(replays):
         x, ids, w = make_inputs(ctx, case_id + 1 + i, T, H, K, E, "minus_one" if i % 2 else "random")
         x_s.copy_(x), ids_s.copy_(ids), w_s.copy_(w)
