@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/binding.h"
 #include "common/exception.cuh"
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
@@ -19,15 +20,6 @@ namespace py = pybind11;
 using namespace ep_plugin;
 
 namespace {
-
-template <typename T>
-T* pointer(uintptr_t address, const char* name, bool required = true, int alignment = alignof(T)) {
-  EP_CHECK_ARG(!required || address != 0, name << " is required (got a null address)");
-  EP_CHECK_ARG(address % alignment == 0, name << " must be " << alignment << "-byte aligned");
-  return reinterpret_cast<T*>(address);
-}
-
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 void get_dispatch_layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
                          int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,

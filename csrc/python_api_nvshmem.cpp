@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/binding.h"
 #include "common/exception.cuh"
 #include "kernels/internode_layout.cuh"
 #include "kernels/low_latency_layout.cuh"
@@ -21,15 +22,6 @@ using namespace ep_plugin;
 using low_latency::LowLatencyLayout;
 
 namespace {
-
-template <typename T>
-T* pointer(uintptr_t address, const char* name, bool required = true, int alignment = alignof(T)) {
-  EP_CHECK_ARG(!required || address != 0, name << " is required (got a null address)");
-  EP_CHECK_ARG(address % alignment == 0, name << " must be " << alignment << "-byte aligned");
-  return reinterpret_cast<T*>(address);
-}
-
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 LowLatencyLayout make_layout(int num_max_tokens, int hidden, int num_ranks, int num_experts) {
   EP_CHECK_ARG(num_max_tokens >= 1, "num_max_dispatch_tokens_per_rank must be positive, got " << num_max_tokens);

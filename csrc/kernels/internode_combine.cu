@@ -10,8 +10,8 @@
 // (ch, n); rows of one ring arrive in token order, so after a group every ring has been consumed
 // up to a known count, which is returned to its forwarder. G <= S keeps every slot a group needs
 // within the sender's window.
-#include <cuda_bf16.h>
 
+#include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "internode_layout.cuh"
 
@@ -60,15 +60,6 @@ __device__ void send_channel(const CombineArgs& a, int ch) {
   }
 }
 
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& packed) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
 
 __device__ void receive_channel(const CombineArgs& a, int ch) {
   __shared__ uint64_t ring_base[kMaxNodes];

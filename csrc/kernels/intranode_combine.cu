@@ -7,8 +7,7 @@
 // rank r sends back, in token order, exactly the rows of the tokens that owner warp w handles, into
 // the sub-ring (c, w) that owner warp consumes; so the owner finds the copy of its next token from
 // rank r in the next slot of that ring. The owner's own copy is read straight from its input `x`.
-#include <cuda_bf16.h>
-
+#include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -18,24 +17,6 @@ namespace ep_plugin::intranode {
 namespace {
 
 constexpr int kCombineUnroll = 6;  // 16-byte units per lane accumulated per pass
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
-  int4 packed;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  return packed;
-}
 
 // Sends one row into the owner's ring; lane `owner` holds that ring's state.
 __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout& layout, int row, int owner,

@@ -10,8 +10,8 @@
 // the word of its expert is complete, then all threads reduce the token's rows in k order. The last
 // block to finish waits for every word of the round (each expert announces a count, also of 0) and
 // resets them.
-#include <cuda_bf16.h>
 
+#include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
 
@@ -64,13 +64,6 @@ __device__ void combine_send(const CombineArgs& a) {
 }
 
 // ---- receive ------------------------------------------------------------------------------------
-__device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
-  int4 packed;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  return packed;
-}
 
 // out[token] = sum over k (in order) of weight * row, each product and sum rounded to fp32 as the
 // reference computes it (no FMA contraction), then rounded to bf16.
