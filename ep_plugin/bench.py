@@ -352,6 +352,11 @@ def default_num_ranks() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else 2
 
 
+def _gbps(value: float) -> str:
+    """One decimal, or three significant digits below 1 GB/s (CPU runs), so that no rate shows as 0.0."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
 def format_table(run: dict) -> str:
     s = run["settings"]
     lines = [f"ep_plugin bench: mode={s['mode']} backend={run['backend']} ranks={run['num_ranks']} "
@@ -364,9 +369,9 @@ def format_table(run: dict) -> str:
     header = f"{'operation':<20}{'median us':>12}{'p10 us':>10}{'p90 us':>10}{'algo GB/s':>12}{'link GB/s':>12}"
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
-        link = f"{e['link_gbps']:.1f}" if e["link_gbps"] is not None else "-"
+        link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
-                     f"{e['algo_gbps']:>12.1f}{link:>12}")
+                     f"{_gbps(e['algo_gbps']):>12}{link:>12}")
     return "\n".join(lines)
 
 
