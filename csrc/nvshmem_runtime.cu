@@ -87,6 +87,48 @@ const char* op_name(int op) {
 
 }  // namespace
 
+void SymmetricBuffer::open(int rank, int num_ranks, int64_t bytes, int64_t header_bytes,
+                           const std::string& unique_id, const char* who) {
+  acquire_nvshmem(rank, num_ranks, unique_id, who);
+  buffer = nvshmem_malloc(static_cast<size_t>(bytes));  // collective: every PE allocates the same size
+  if (buffer == nullptr) {
+    release_nvshmem();
+    std::ostringstream out;
+    out << "nvshmem_malloc(" << bytes << ") failed on rank " << rank << " for " << who
+        << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first NVSHMEM "
+        << "Buffer of the process)";
+    throw Error(out.str());
+  }
+  // NOTE: counters and signal words must be zero on every PE before any peer can add to them:
+  // zero, wait for the device, then barrier.
+  CUDA_CHECK(cudaMemset(buffer, 0, header_bytes));
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host), sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(static_cast<void*>(status_host), 0, sizeof(DeviceStatus));
+  status_host->bad_input_rank = -1;
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device), status_host, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();
+}
+
+void SymmetricBuffer::close(bool collective) {
+  cudaDeviceSynchronize();
+  if (collective) {
+    nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
+    nvshmem_free(buffer);
+    release_nvshmem();
+  }
+  // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
+  buffer = nullptr;
+  cudaFreeHost(static_cast<void*>(status_host));
+  status_host = status_device = nullptr;
+}
+
+std::vector<bool> SymmetricBuffer::direct_peers(int num_ranks) const {
+  std::vector<bool> direct(num_ranks);
+  for (int pe = 0; pe < num_ranks; ++pe) direct[pe] = nvshmem_ptr(buffer, pe) != nullptr;
+  return direct;
+}
+
 std::string LowLatencyRuntime::create_unique_id() {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   EP_HOST_ASSERT(nvshmemx_get_uniqueid(&id) == 0, "nvshmemx_get_uniqueid failed");
@@ -110,26 +152,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
   num_blocks_ = num_sms;  // one resident block per SM (the fused send + receive needs all of them)
 
-  acquire_nvshmem(rank, num_ranks, unique_id, "a low-latency Buffer");
-
-  // Collective: every PE allocates the same size.
-  buffer_ = nvshmem_malloc(static_cast<size_t>(num_rdma_bytes));
-  if (buffer_ == nullptr) {
-    std::ostringstream out;
-    out << "nvshmem_malloc(" << num_rdma_bytes << ") failed on rank " << rank
-        << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first low-latency "
-        << "Buffer of the process)";
-    throw Error(out.str());
-  }
-  // NOTE: signal words must be zero on every PE before any peer can add to them: zero, wait for
-  // the device, then barrier.
-  CUDA_CHECK(cudaMemset(buffer_, 0, low_latency::kHeaderBytes));
-  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(DeviceStatus), cudaHostAllocMapped));
-  std::memset(static_cast<void*>(status_host_), 0, sizeof(DeviceStatus));
-  status_host_->bad_input_rank = -1;
-  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  nvshmem_barrier_all();
+  memory_.open(rank, num_ranks, num_rdma_bytes, low_latency::kHeaderBytes, unique_id, "a low-latency Buffer");
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
 }
 
@@ -142,7 +165,7 @@ LowLatencyRuntime::~LowLatencyRuntime() {
 
 void LowLatencyRuntime::watch_for_device_errors() {
   while (!stop_watchdog_.load()) {
-    if (status_host_->error_code != kErrNone) {
+    if (memory_.status_host->error_code != kErrNone) {
       std::fprintf(stderr, "ep_plugin: a low-latency kernel stopped on rank %d: %s\n", rank_,
                    describe_device_error().c_str());
       std::fflush(stderr);
@@ -153,31 +176,20 @@ void LowLatencyRuntime::watch_for_device_errors() {
 }
 
 void LowLatencyRuntime::destroy(bool collective) {
-  if (status_host_ == nullptr) return;
+  if (memory_.status_host == nullptr) return;
   stop_watchdog_.store(true);
   if (watchdog_.joinable()) watchdog_.join();
-  cudaDeviceSynchronize();
-  if (collective) {
-    nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
-    nvshmem_free(buffer_);
-    release_nvshmem();
-  }
-  // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
-  buffer_ = nullptr;
-  cudaFreeHost(static_cast<void*>(status_host_));
-  status_host_ = status_device_ = nullptr;
+  memory_.close(collective);
 }
 
 void LowLatencyRuntime::require_alive() const {
-  EP_HOST_ASSERT(status_host_ != nullptr && buffer_ != nullptr, "the low-latency runtime has been destroyed");
+  EP_HOST_ASSERT(memory_.is_open(), "the low-latency runtime has been destroyed");
   check_device_error();
 }
 
 std::vector<bool> LowLatencyRuntime::direct_peers() const {
   require_alive();
-  std::vector<bool> direct(num_ranks_);
-  for (int pe = 0; pe < num_ranks_; ++pe) direct[pe] = nvshmem_ptr(buffer_, pe) != nullptr;
-  return direct;
+  return memory_.direct_peers(num_ranks_);
 }
 
 void LowLatencyRuntime::check_layout(const LowLatencyLayout& layout, const char* op) const {
@@ -209,11 +221,11 @@ void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cud
   EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= low_latency::kMaxTopk,
                "top-k must be in [1, " << low_latency::kMaxTopk << "], got " << args.num_topk);
   EP_CHECK_ARG(!args.use_ue8m0 || (args.use_fp8 && args.round_scale), "use_ue8m0 needs use_fp8 and round_scale");
-  args.round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  args.round = low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, parity);
   args.rank = rank_;
   args.num_blocks = num_blocks_;
-  args.status = status_device_;
-  args.error_claim = &low_latency::round_pointers(buffer_, num_rdma_bytes_, 0).state->error_claim;
+  args.status = memory_.status_device;
+  args.error_claim = &low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, 0).state->error_claim;
   args.timeout_ns = timeout_ns_;
   low_latency::launch_dispatch(args, stream);
 }
@@ -227,11 +239,11 @@ void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaS
                               << args.layout.num_max_tokens);
   EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= low_latency::kMaxTopk,
                "top-k must be in [1, " << low_latency::kMaxTopk << "], got " << args.num_topk);
-  args.round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  args.round = low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, parity);
   args.rank = rank_;
   args.num_blocks = num_blocks_;
-  args.status = status_device_;
-  args.error_claim = &low_latency::round_pointers(buffer_, num_rdma_bytes_, 0).state->error_claim;
+  args.status = memory_.status_device;
+  args.error_claim = &low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, 0).state->error_claim;
   args.timeout_ns = timeout_ns_;
   args.x_is_staging = reinterpret_cast<uintptr_t>(args.x) == combine_buffer_address(parity, args.layout);
   low_latency::launch_combine(args, stream);
@@ -241,18 +253,18 @@ uintptr_t LowLatencyRuntime::combine_buffer_address(int parity, const LowLatency
   require_alive();
   check_layout(layout, "get_next_low_latency_combine_buffer");
   EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
-  const low_latency::RoundPointers round = low_latency::round_pointers(buffer_, num_rdma_bytes_, parity);
+  const low_latency::RoundPointers round = low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, parity);
   return reinterpret_cast<uintptr_t>(round.data + layout.dispatch_recv_offset());
 }
 
 void LowLatencyRuntime::clean(cudaStream_t stream) {
   require_alive();
-  CUDA_CHECK(cudaMemsetAsync(buffer_, 0, low_latency::kHeaderBytes, stream));
+  CUDA_CHECK(cudaMemsetAsync(memory_.buffer, 0, low_latency::kHeaderBytes, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 std::string LowLatencyRuntime::describe_device_error() const {
-  const DeviceStatus& s = *status_host_;
+  const DeviceStatus& s = *memory_.status_host;
   std::ostringstream out;
   if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
@@ -271,7 +283,7 @@ std::string LowLatencyRuntime::describe_device_error() const {
 }
 
 void LowLatencyRuntime::check_device_error() const {
-  if (status_host_ != nullptr && status_host_->error_code != kErrNone)
+  if (memory_.status_host != nullptr && memory_.status_host->error_code != kErrNone)
     throw Error("ep_plugin: a low-latency kernel stopped on rank " + std::to_string(rank_) + ": " +
                 describe_device_error());
 }
@@ -298,25 +310,7 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, 
   place_.local = rank % ranks_per_node;
   place_.num_nodes = num_ranks / ranks_per_node;
 
-  acquire_nvshmem(rank, num_ranks, unique_id, "an internode Buffer");
-  buffer_ = nvshmem_malloc(static_cast<size_t>(num_rdma_bytes));  // collective
-  if (buffer_ == nullptr) {
-    release_nvshmem();
-    std::ostringstream out;
-    out << "nvshmem_malloc(" << num_rdma_bytes << ") failed on rank " << rank
-        << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first NVSHMEM "
-        << "Buffer of the process)";
-    throw Error(out.str());
-  }
-  // NOTE: counters and signal words must be zero on every PE before any peer can add to them:
-  // zero, wait for the device, then barrier.
-  CUDA_CHECK(cudaMemset(buffer_, 0, internode::kHeaderBytes));
-  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(DeviceStatus), cudaHostAllocMapped));
-  std::memset(static_cast<void*>(status_host_), 0, sizeof(DeviceStatus));
-  status_host_->bad_input_rank = -1;
-  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  nvshmem_barrier_all();
+  memory_.open(rank, num_ranks, num_rdma_bytes, internode::kHeaderBytes, unique_id, "an internode Buffer");
 }
 
 InternodeRuntime::~InternodeRuntime() {
@@ -327,36 +321,25 @@ InternodeRuntime::~InternodeRuntime() {
 }
 
 void InternodeRuntime::destroy(bool collective) {
-  if (status_host_ == nullptr) return;
-  cudaDeviceSynchronize();
-  if (collective) {
-    nvshmem_barrier_all();  // no PE frees while a peer could still write into its buffer
-    nvshmem_free(buffer_);
-    release_nvshmem();
-  }
-  // Not collective: nvshmem_free and nvshmem_finalize are collectives; the memory stays allocated.
-  buffer_ = nullptr;
-  cudaFreeHost(static_cast<void*>(status_host_));
-  status_host_ = status_device_ = nullptr;
+  if (memory_.status_host == nullptr) return;
+  memory_.close(collective);
 }
 
 void InternodeRuntime::require_alive() const {
-  EP_HOST_ASSERT(status_host_ != nullptr && buffer_ != nullptr, "the internode runtime has been destroyed");
+  EP_HOST_ASSERT(memory_.is_open(), "the internode runtime has been destroyed");
   check_device_error();
 }
 
 std::vector<bool> InternodeRuntime::direct_peers() const {
   require_alive();
-  std::vector<bool> direct(num_ranks_);
-  for (int pe = 0; pe < num_ranks_; ++pe) direct[pe] = nvshmem_ptr(buffer_, pe) != nullptr;
-  return direct;
+  return memory_.direct_peers(num_ranks_);
 }
 
 internode::Common InternodeRuntime::common(int kind) const {
   internode::Common c{};
-  c.ptr = internode::make_pointers(buffer_, num_rdma_bytes_, kind);
+  c.ptr = internode::make_pointers(memory_.buffer, num_rdma_bytes_, kind);
   c.place = place_;
-  c.status = status_device_;
+  c.status = memory_.status_device;
   c.error_claim = &c.ptr.state->error_claim;
   c.timeout_ns = timeout_ns_;
   return c;
@@ -381,7 +364,7 @@ void InternodeRuntime::notify(internode::NotifyArgs args, cudaStream_t stream) {
   EP_CHECK_ARG(args.num_tokens >= 0, "num_tokens must be non-negative");
   EP_CHECK_ARG(args.host_tag >= 0 && args.capacity >= 0, "bad notify tag or capacity");
   args.c = common(internode::kKindDispatch);
-  status_host_->bad_input_rank = -1;  // the previous notify has finished (its result was awaited)
+  memory_.status_host->bad_input_rank = -1;  // the previous notify has finished (its result was awaited)
   internode::launch_notify(args, stream);
 }
 
@@ -390,7 +373,7 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
   // The device gives up after timeout_s; the host allows a little more so the device's report wins.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
   int spins = 0;
-  while (status_host_->notify_tag != tag) {
+  while (memory_.status_host->notify_tag != tag) {
     check_device_error();
     if (++spins % 1024 == 0) {
       const cudaError_t state = cudaStreamQuery(stream);
@@ -408,7 +391,7 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
       if (spins > (1 << 16)) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
-  const int bad_rank = status_host_->bad_input_rank;
+  const int bad_rank = memory_.status_host->bad_input_rank;
   if (bad_rank >= 0) {
     std::ostringstream out;
     out << "internode dispatch rejected on rank " << place_.rank << ": rank " << bad_rank
@@ -416,7 +399,7 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
         << "widths, dtypes and presence on every rank, and every rank the same config.num_sms); no data was sent";
     throw InvalidArgument(out.str());
   }
-  return status_host_->num_recv_tokens;
+  return memory_.status_host->num_recv_tokens;
 }
 
 void InternodeRuntime::dispatch(internode::DispatchArgs args, cudaStream_t stream) {
@@ -439,7 +422,7 @@ void InternodeRuntime::barrier(cudaStream_t stream) {
 }
 
 std::string InternodeRuntime::describe_device_error() const {
-  const DeviceStatus& s = *status_host_;
+  const DeviceStatus& s = *memory_.status_host;
   std::ostringstream out;
   if (s.error_code == kErrTimeout) {
     const char* what = s.error_wait_kind == kWaitBarrier    ? "its token counts"
@@ -460,7 +443,7 @@ std::string InternodeRuntime::describe_device_error() const {
 }
 
 void InternodeRuntime::check_device_error() const {
-  if (status_host_ != nullptr && status_host_->error_code != kErrNone)
+  if (memory_.status_host != nullptr && memory_.status_host->error_code != kErrNone)
     throw Error("ep_plugin: an internode kernel stopped on rank " + std::to_string(place_.rank) + ": " +
                 describe_device_error());
 }

@@ -21,6 +21,25 @@
 
 namespace ep_plugin {
 
+// This PE's symmetric buffer (the first `header_bytes` zero on every PE when `open` returns) and the
+// mapped host record its kernels report errors into. Shared by both runtimes below.
+struct SymmetricBuffer {
+  void* buffer = nullptr;
+  DeviceStatus* status_host = nullptr;
+  DeviceStatus* status_device = nullptr;
+
+  // Collective: NVSHMEM acquired for this process (initialised if no runtime holds it), `bytes`
+  // allocated on every PE, headers zeroed everywhere. `who` names the Buffer kind in errors.
+  void open(int rank, int num_ranks, int64_t bytes, int64_t header_bytes, const std::string& unique_id,
+            const char* who);
+  // Collective: free the buffer and release NVSHMEM (the last holder finalises it). Not collective
+  // (from a destructor): only local resources; the symmetric memory stays allocated.
+  void close(bool collective);
+  bool is_open() const { return status_host != nullptr && buffer != nullptr; }
+  // Whether each PE is reached with direct stores (NVLink / same GPU) rather than the network.
+  std::vector<bool> direct_peers(int num_ranks) const;
+};
+
 class LowLatencyRuntime {
  public:
   // A fresh NVSHMEM unique id (bytes), to be created on rank 0 and sent to every rank.
@@ -68,9 +87,7 @@ class LowLatencyRuntime {
   int64_t num_rdma_bytes_;
   double timeout_s_;
   uint64_t timeout_ns_;
-  void* buffer_ = nullptr;
-  DeviceStatus* status_host_ = nullptr;
-  DeviceStatus* status_device_ = nullptr;
+  SymmetricBuffer memory_;
   std::atomic<bool> stop_watchdog_{false};
   std::thread watchdog_;
 };
@@ -116,9 +133,7 @@ class InternodeRuntime {
   int64_t num_rdma_bytes_;
   double timeout_s_;
   uint64_t timeout_ns_;
-  void* buffer_ = nullptr;
-  DeviceStatus* status_host_ = nullptr;
-  DeviceStatus* status_device_ = nullptr;
+  SymmetricBuffer memory_;
 };
 
 }  // namespace ep_plugin
