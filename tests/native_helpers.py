@@ -85,3 +85,74 @@ def capture_graph(step: Callable[[], object]) -> Tuple[torch.cuda.CUDAGraph, obj
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> None:
+    """One normal-mode case: layout, dispatch, combine and cached dispatch of `native` against `reference`.
+
+    `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst, bias (0-2),
+    config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
+    """
+    x, topk_idx, weights = make_inputs(rank, R, case, seed)
+    E = case["E"]
+    alignment = case.get("alignment", 1)
+    config = case.get("config")
+    poison_allocator()
+    got_layout = native.get_dispatch_layout(topk_idx, E)
+    want_layout = reference.get_dispatch_layout(topk_idx, E)
+    for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                              "is_token_in_rank")):
+        assert_same(name, got_layout[i], want_layout[i])  # per node: None inside one node, on both
+
+    def dispatch(buf, layout, num_worst: int):
+        return buf.dispatch(x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+                            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx,
+                            topk_weights=weights, expert_alignment=alignment, num_worst_tokens=num_worst,
+                            config=config)
+
+    num_worst = case.get("num_worst", 0)
+    poison_allocator()
+    got = dispatch(native, got_layout, num_worst)
+    want = dispatch(reference, want_layout, 0)
+    want_x = want[0]
+    n = (want_x[0] if isinstance(want_x, tuple) else want_x).size(0)
+    got_rows = (got[0][0] if isinstance(got[0], tuple) else got[0]).size(0)
+    assert got_rows == (num_worst if num_worst else n), f"rows {got_rows}, received {n}, num_worst {num_worst}"
+    assert_same("recv_x", rows(got[0], n), want_x)
+    assert_same("recv_topk_idx", got[1][:n], want[1])
+    assert_same("recv_topk_weights", None if got[2] is None else got[2][:n], want[2])
+    if num_worst:
+        assert got[3] == [], "num_worst_tokens > 0 returns an empty per-expert list"
+        assert bool((got[1][n:] == -1).all()), "padding rows must have recv_topk_idx == -1"
+    else:
+        assert got[3] == want[3], f"per-expert counts {got[3]} != {want[3]}"
+
+    # Combine: random expert outputs; padding rows hold garbage that must be ignored.
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    expert_out = (torch.randn(got_rows, x[0].size(1) if isinstance(x, tuple) else x.size(1), generator=gen)
+                  .to(torch.bfloat16).cuda())
+    if got_rows > n:
+        expert_out[n:] = float("nan")
+    T = topk_idx.size(0)
+    bias = None
+    if case.get("bias", 0) >= 1:
+        bias = tuple((torch.randn(T, expert_out.size(1), generator=gen)).to(torch.bfloat16).cuda()
+                     for _ in range(case["bias"]))
+        bias = bias[0] if len(bias) == 1 else bias
+    combine_config = case.get("combine_config")
+    poison_allocator()
+    got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
+    want_c = reference.combine(expert_out[:n], want[4], topk_weights=want[2], bias=bias)
+    torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    if weights is None:
+        assert got_c[1] is None and want_c[1] is None
+    else:
+        torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
+
+    # Cached dispatch of new data with the same layout (and the same or another ring size).
+    x2, _, _ = make_inputs(rank, R, case, seed + 99991)
+    poison_allocator()
+    got2 = native.dispatch(x2, handle=got[4], config=case.get("cached_config", config))
+    want2 = reference.dispatch(x2, handle=want[4])
+    assert_same("cached recv_x", rows(got2[0], n), want2[0])
+    assert got2[1:5] == (None, None, None, None)

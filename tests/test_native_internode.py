@@ -25,7 +25,7 @@ from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
 from ep_plugin.launch import parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from native_helpers import assert_same, capture_graph, make_inputs, poison_allocator, rows
+from native_helpers import assert_same, capture_graph, make_inputs, run_case
 
 try:
     from ep_plugin import _C_nvshmem
@@ -181,62 +181,6 @@ def make_buffers(group, ranks_per_node: int = 1, num_sms: int = 24, timeout_s: f
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference", "topology": topology})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
-
-
-def run_case(native: Buffer, reference: Buffer, rank: int, R: int, case: dict, seed: int) -> None:
-    x, topk_idx, weights = make_inputs(rank, R, case, seed)
-    E = case["E"]
-    alignment = case.get("alignment", 1)
-    config = case.get("config")
-    poison_allocator()
-    got_layout = native.get_dispatch_layout(topk_idx, E)
-    want_layout = reference.get_dispatch_layout(topk_idx, E)
-    for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
-                              "is_token_in_rank")):
-        assert_same(name, got_layout[i], want_layout[i])
-
-    def dispatch(buf: Buffer, layout):
-        return buf.dispatch(x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
-                            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx,
-                            topk_weights=weights, expert_alignment=alignment, config=config)
-
-    poison_allocator()
-    got = dispatch(native, got_layout)
-    want = dispatch(reference, want_layout)
-    want_x = want[0]
-    n = (want_x[0] if isinstance(want_x, tuple) else want_x).size(0)
-    got_rows = (got[0][0] if isinstance(got[0], tuple) else got[0]).size(0)
-    assert got_rows == n, f"rows {got_rows}, received {n}"
-    assert_same("recv_x", got[0], want_x)
-    assert_same("recv_topk_idx", got[1], want[1])
-    assert_same("recv_topk_weights", got[2], want[2])
-    assert got[3] == want[3], f"per-expert counts {got[3]} != {want[3]}"
-
-    gen = torch.Generator().manual_seed(seed * 7 + rank)
-    hidden = x[0].size(1) if isinstance(x, tuple) else x.size(1)
-    expert_out = (torch.randn(n, hidden, generator=gen) * 2).to(torch.bfloat16).cuda()
-    T = topk_idx.size(0)
-    bias = None
-    if case.get("bias", 0) >= 1:
-        bias = tuple((torch.randn(T, hidden, generator=gen)).to(torch.bfloat16).cuda() for _ in range(case["bias"]))
-        bias = bias[0] if len(bias) == 1 else bias
-    combine_config = case.get("combine_config")
-    poison_allocator()
-    got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
-    want_c = reference.combine(expert_out, want[4], topk_weights=want[2], bias=bias)
-    torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
-    if weights is None:
-        assert got_c[1] is None and want_c[1] is None
-    else:
-        torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
-
-    # Cached dispatch of new data with the same layout (and the same or another ring size).
-    x2, _, _ = make_inputs(rank, R, case, seed + 99991)
-    poison_allocator()
-    got2 = native.dispatch(x2, handle=got[4], config=case.get("cached_config", config))
-    want2 = reference.dispatch(x2, handle=want[4])
-    assert_same("cached recv_x", rows(got2[0], n), want2[0])
-    assert got2[1:5] == (None, None, None, None)
 
 
 HIDDENS = [2048, 2560, 4096, 5120, 7168, 8192, 1536]
