@@ -215,11 +215,9 @@ class NativeBackend(Backend):
         """In low-latency mode, whether normal-mode kernels can run on this buffer as well."""
         return _C is not None and self.info.is_intranode and unsupported_reason(self.info, False, num_nvl_bytes) == ""
 
-    def _start_low_latency(self, num_rdma_bytes: int):
-        """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the symmetric buffer."""
-        if num_rdma_bytes <= _C_nvshmem.HEADER_BYTES:
-            raise ValueError(f"num_rdma_bytes = {num_rdma_bytes} is too small for native low-latency mode; size it "
-                             "with Buffer.get_low_latency_rdma_size_hint")
+    def _prepare_nvshmem(self, num_rdma_bytes: int) -> bytes:
+        """Before a runtime starts NVSHMEM: bind this device, size the symmetric heap (unless the user set
+        NVSHMEM_SYMMETRIC_SIZE) and share rank 0's unique id over the group (a collective); returns the id."""
         torch.cuda.set_device(self.info.device)  # NVSHMEM binds each PE to the current device
         heap = (num_rdma_bytes + NVSHMEM_HEAP_MARGIN_BYTES + (2 << 20) - 1) // (2 << 20) * (2 << 20)
         if os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap)) != str(heap):
@@ -228,8 +226,16 @@ class NativeBackend(Backend):
         unique_id = _C_nvshmem.create_unique_id() if self.info.rank == 0 else None
         ids: List[Optional[bytes]] = [None] * self.info.num_ranks
         dist.all_gather_object(ids, unique_id, group=self.info.group)
+        return ids[0]
+
+    def _start_low_latency(self, num_rdma_bytes: int):
+        """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the symmetric buffer."""
+        if num_rdma_bytes <= _C_nvshmem.HEADER_BYTES:
+            raise ValueError(f"num_rdma_bytes = {num_rdma_bytes} is too small for native low-latency mode; size it "
+                             "with Buffer.get_low_latency_rdma_size_hint")
+        unique_id = self._prepare_nvshmem(num_rdma_bytes)
         runtime = _C_nvshmem.LowLatencyRuntime(self.info.rank, self.info.num_ranks, num_rdma_bytes,
-                                               self.settings.timeout_s, ids[0])
+                                               self.settings.timeout_s, unique_id)
         direct = runtime.direct_peers()
         logger.info("ep_plugin rank %d: low-latency symmetric buffer of %d bytes; peers over NVLink: %s, over the "
                     "network: %s", self.info.rank, num_rdma_bytes, [r for r, d in enumerate(direct) if d],
@@ -269,16 +275,9 @@ class NativeBackend(Backend):
             raise ValueError(f"num_rdma_bytes = {num_rdma_bytes} is too small for native internode mode; size it with "
                              f"Config.get_rdma_buffer_size_hint(hidden_bytes, {self.info.num_ranks}, "
                              f"ranks_per_node={self.info.ranks_per_node})")
-        torch.cuda.set_device(self.info.device)  # NVSHMEM binds each PE to the current device
-        heap = (num_rdma_bytes + NVSHMEM_HEAP_MARGIN_BYTES + (2 << 20) - 1) // (2 << 20) * (2 << 20)
-        if os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap)) != str(heap):
-            logger.info("ep_plugin: keeping NVSHMEM_SYMMETRIC_SIZE=%s (the buffer needs %d bytes)",
-                        os.environ["NVSHMEM_SYMMETRIC_SIZE"], num_rdma_bytes)
-        unique_id = _C_nvshmem.create_unique_id() if self.info.rank == 0 else None
-        ids: List[Optional[bytes]] = [None] * self.info.num_ranks
-        dist.all_gather_object(ids, unique_id, group=self.info.group)
+        unique_id = self._prepare_nvshmem(num_rdma_bytes)
         runtime = _C_nvshmem.InternodeRuntime(self.info.rank, self.info.num_ranks, self.info.ranks_per_node,
-                                              num_rdma_bytes, self.settings.timeout_s, ids[0])
+                                              num_rdma_bytes, self.settings.timeout_s, unique_id)
         direct = runtime.direct_peers()
         logger.info("ep_plugin rank %d: internode mode, %d nodes x %d ranks; symmetric buffer of %d bytes; PEs over "
                     "NVLink: %s, over the network: %s", self.info.rank, self.info.num_nodes,
