@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ep_plugin import Buffer
 from ep_plugin.launch import parallel_launch
+from ep_plugin.testing import raw_bytes
 
 DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 DEEPEP_REFERENCE_US = {"dispatch": 28.0, "combine": 41.0}   # DeepEP V1 low-latency, this machine (issue 4)
@@ -66,7 +67,7 @@ def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, 
     for e, n in enumerate(want[1].tolist()):
         pairs = zip(got[0], want[0]) if use_fp8 else [(got[0], want[0])]
         for g, w in pairs:
-            if not torch.equal(g[e, :n].contiguous().view(torch.uint8), w[e, :n].contiguous().view(torch.uint8)):
+            if not torch.equal(raw_bytes(g[e, :n]), raw_bytes(w[e, :n])):
                 raise AssertionError(f"recv_x of local expert {e} differs from the reference backend")
     expert_out = torch.randn(want[2].recv_shape, device="cuda").to(torch.bfloat16)
     combined = native.low_latency_combine(expert_out, ids, weights, got[2])[0]

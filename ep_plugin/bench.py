@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .buffer import Buffer
 from .config import EpConfig, load_config
+from .testing import raw_bytes
 from .launch import parallel_launch
 
 GPU_DEFAULTS = {"normal": dict(num_tokens=4096, hidden=7168, num_topk=8, num_experts=256),
@@ -144,9 +145,7 @@ def _assert_equal(name: str, got, want) -> None:
         return
     if got.shape != want.shape or got.dtype != want.dtype:
         raise AssertionError(f"{name}: shape/dtype {tuple(got.shape)}/{got.dtype} != {tuple(want.shape)}/{want.dtype}")
-    if got.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32):
-        got, want = got.view(torch.uint8), want.view(torch.uint8)
-    if not torch.equal(got, want):
+    if not torch.equal(raw_bytes(got), raw_bytes(want)):
         raise AssertionError(f"{name}: values differ")
 
 

@@ -5,9 +5,12 @@ exception on any rank is re-raised in the caller with that rank's traceback.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import socket
+import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -21,6 +24,8 @@ from .environment import NO_MULTICAST_ENV  # ep_plugin never uses NVLink multica
 # Seconds a rank may take to exit once every result is in. A rank whose CUDA context was stopped by a
 # device-side timeout (trap) can hang in NCCL's teardown; its result is already here, so it is ended.
 EXIT_GRACE_S = 15.0
+# Set to N > 0: each rank prints every thread's Python stack every N seconds (finding a hang).
+STACK_DUMP_ENV = "EP_PLUGIN_STACK_DUMP_S"
 
 
 def free_port() -> int:
@@ -42,6 +47,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
         os.environ.setdefault(name, value)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    dump_after_s = float(os.environ.get(STACK_DUMP_ENV, "0"))
+    if dump_after_s > 0:  # diagnosing a hang: every thread's Python stack to stderr, then on
+        faulthandler.dump_traceback_later(dump_after_s, repeat=True, file=sys.stderr)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -58,6 +66,34 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     results.close()
     results.join_thread()
     _tear_down(backend)
+
+
+def _collect(results, processes, timeout_s: float, collected: dict, failures: list) -> None:
+    """Read one result per rank into `collected`; the first failure, a rank that exited without a
+    result, or `timeout_s` without any news ends the wait with a message in `failures`."""
+    deadline = time.monotonic() + timeout_s
+    exited_without_result = {}
+    while len(collected) < len(processes):
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+        except queue.Empty:
+            for rank, process in enumerate(processes):
+                if rank not in collected and process.exitcode is not None:
+                    # A result written just before exiting may still be in the pipe: one more second.
+                    exited_without_result.setdefault(rank, time.monotonic())
+                    if time.monotonic() - exited_without_result[rank] > 1.0:
+                        failures.append(f"rank {rank} exited with code {process.exitcode} without a result "
+                                        f"(results so far from ranks {sorted(collected)})")
+                        return
+            if time.monotonic() > deadline:
+                failures.append(f"no result from ranks {[r for r in range(len(processes)) if r not in collected]} "
+                                f"within {timeout_s:.0f} s; exit codes: {[p.exitcode for p in processes]}")
+                return
+            continue
+        if not ok:
+            failures.append(value)
+            return
+        collected[rank] = value
 
 
 def _cuda_is_healthy() -> bool:
@@ -100,16 +136,7 @@ def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional
     collected = {}
     failures = []
     try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout_s + 60)
-            if ok:
-                collected[rank] = value
-            else:
-                failures.append(value)
-                break
-    except queue.Empty:  # a rank died or hung
-        failures.append(f"no result from some ranks within {timeout_s + 60:.0f} s; "
-                        f"exit codes: {[p.exitcode for p in processes]}")
+        _collect(results, processes, timeout_s + 60, collected, failures)
     except Exception as error:  # noqa: BLE001 - a result that arrived but could not be read
         failures.append(f"a rank's result could not be received: {type(error).__name__}: {error} "
                         "(results must be picklable and readable in the parent process; plain Python values "
@@ -119,6 +146,9 @@ def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional
             process.join(timeout=5 if failures else EXIT_GRACE_S)
             if process.is_alive():
                 process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():  # stuck in a driver call that ignores SIGTERM
+                process.kill()
                 process.join(timeout=5)
     if failures:
         raise RuntimeError(failures[0])

@@ -9,6 +9,7 @@ from typing import Callable, Tuple
 import torch
 
 from ep_plugin.fp8 import quantize
+from ep_plugin.testing import raw_bytes
 
 
 def poison_allocator(megabytes: int = 512) -> None:
@@ -50,8 +51,6 @@ def make_inputs(rank: int, R: int, case: dict, seed: int):
     return payload, topk_idx, weights
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn) else t
 
 
 def assert_same(name: str, got, want) -> None:
@@ -64,8 +63,8 @@ def assert_same(name: str, got, want) -> None:
         return
     assert got.shape == want.shape and got.dtype == want.dtype, \
         f"{name}: {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
-    if not torch.equal(bits(got), bits(want)):
-        bad = (bits(got) != bits(want)).nonzero()[:5].tolist()
+    if not torch.equal(raw_bytes(got), raw_bytes(want)):
+        bad = (raw_bytes(got) != raw_bytes(want)).nonzero()[:5].tolist()
         raise AssertionError(f"{name}: values differ (first positions {bad})")
 
 

@@ -26,6 +26,7 @@ import torch
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer
 from ep_plugin.launch import parallel_launch
+from ep_plugin.testing import raw_bytes
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
 from native_helpers import capture_graph, poison_allocator
 
@@ -122,15 +123,13 @@ def fix_duplicates(ids: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.element_size() in (1, 2, 4) and t.is_floating_point() else t
 
 
 def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, \
         f"{name}: {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
-    if not torch.equal(bits(got), bits(want)):
-        bad = (bits(got) != bits(want)).nonzero()[:5].tolist()
+    if not torch.equal(raw_bytes(got), raw_bytes(want)):
+        bad = (raw_bytes(got) != raw_bytes(want)).nonzero()[:5].tolist()
         raise AssertionError(f"{name}: values differ (first positions {bad})")
 
 

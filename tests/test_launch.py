@@ -1,0 +1,40 @@
+"""parallel_launch: results by rank, a failing rank's traceback, a rank that dies without a result."""
+import os
+import time
+
+import pytest
+
+from ep_plugin.launch import parallel_launch
+
+
+def rank_value(rank: int, world_size: int, group) -> tuple:
+    return rank, world_size, group.size()
+
+
+def rank_that_raises(rank: int, world_size: int, group) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    return rank
+
+
+def rank_that_dies(rank: int, world_size: int, group) -> int:
+    if rank == 1:
+        os._exit(7)  # no result, no exception: a crash
+    time.sleep(30)  # rank 0 would report much later; the launcher must not wait for it
+    return rank
+
+
+def test_results_come_back_in_rank_order():
+    assert parallel_launch(2, rank_value) == [(0, 2, 2), (1, 2, 2)]
+
+
+def test_an_exception_names_the_rank_and_keeps_its_traceback():
+    with pytest.raises(RuntimeError, match=r"rank 1: ValueError: rank 1 refuses(.|\n)*Traceback"):
+        parallel_launch(2, rank_that_raises)
+
+
+def test_a_rank_that_dies_is_reported_at_once():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 7 without a result"):
+        parallel_launch(2, rank_that_dies, timeout_s=120)
+    assert time.monotonic() - start < 25  # not the 180 s of the timeout, nor rank 0's 30 s
