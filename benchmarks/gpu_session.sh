@@ -12,7 +12,8 @@
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
 #   tuning     two ring/chunk settings
-#   ll         native low-latency GPU tests, then benchmarks/bench_low_latency.py
+#   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
+#              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench
 #   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel)
@@ -94,7 +95,8 @@ for s in $STAGES; do
       done
       ;;
     ll)
-      stage tests timeout "${LL_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py
+      [ "${LL_TESTS:-1}" = 1 ] && stage tests timeout "${LL_TEST_TIMEOUT:-300}" \
+        python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py -k "not missing_peer"
       stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py \
         --out "$OUT/results_dir/low_latency.json" --plot "$OUT/results_dir/low_latency_tokens.png"
       ;;
