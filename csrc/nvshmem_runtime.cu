@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 
 #include "common/exception.cuh"
+#include "common/text.h"
 
 namespace ep_plugin {
 namespace {
@@ -37,7 +37,7 @@ void initialise_nvshmem(int rank, int num_ranks, const std::string& unique_id) {
   const int status =
       nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
   if (status != 0) {
-    std::ostringstream out;
+    Text out;
     out << "NVSHMEM initialisation failed on rank " << rank << " of " << num_ranks << " (status " << status
         << "); run with NVSHMEM_DEBUG=INFO for details " << "[" << where(__FILE__, __LINE__) << "]";
     throw Error(out.str());
@@ -58,7 +58,7 @@ void acquire_nvshmem(int rank, int num_ranks, const std::string& unique_id, cons
     if (g_live_runtimes == 0) initialise_nvshmem(rank, num_ranks, unique_id);
   }
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
-    std::ostringstream out;
+    Text out;
     out << "NVSHMEM in this process is PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes() << ", but the group "
         << "has this rank as " << rank << " of " << num_ranks << " (was NVSHMEM initialised by another library?)";
     throw Error(out.str());
@@ -93,7 +93,7 @@ void SymmetricBuffer::open(int rank, int num_ranks, int64_t bytes, int64_t heade
   buffer = nvshmem_malloc(static_cast<size_t>(bytes));  // collective: every PE allocates the same size
   if (buffer == nullptr) {
     release_nvshmem();
-    std::ostringstream out;
+    Text out;
     out << "nvshmem_malloc(" << bytes << ") failed on rank " << rank << " for " << who
         << ": the NVSHMEM symmetric heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first NVSHMEM "
         << "Buffer of the process)";
@@ -265,7 +265,7 @@ void LowLatencyRuntime::clean(cudaStream_t stream) {
 
 std::string LowLatencyRuntime::describe_device_error() const {
   const DeviceStatus& s = *memory_.status_host;
-  std::ostringstream out;
+  Text out;
   if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
         << " waited for peer " << s.error_peer << " (expert " << s.error_channel << ", warp " << s.error_warp
@@ -383,7 +383,7 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
                     ": " + cudaGetErrorName(state) + " (" + cudaGetErrorString(state) + ")");
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        std::ostringstream out;
+        Text out;
         out << "rank " << place_.rank << ": the notify step of internode dispatch did not finish within "
             << timeout_s_ << " s (a peer never reached the same dispatch call?)";
         throw TimeoutError(out.str());
@@ -393,7 +393,7 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
   }
   const int bad_rank = memory_.status_host->bad_input_rank;
   if (bad_rank >= 0) {
-    std::ostringstream out;
+    Text out;
     out << "internode dispatch rejected on rank " << place_.rank << ": rank " << bad_rank
         << " dispatches rows of a different layout (x, x_scales, topk_idx and topk_weights must have the same "
         << "widths, dtypes and presence on every rank, and every rank the same config.num_sms); no data was sent";
@@ -423,7 +423,7 @@ void InternodeRuntime::barrier(cudaStream_t stream) {
 
 std::string InternodeRuntime::describe_device_error() const {
   const DeviceStatus& s = *memory_.status_host;
-  std::ostringstream out;
+  Text out;
   if (s.error_code == kErrTimeout) {
     const char* what = s.error_wait_kind == kWaitBarrier    ? "its token counts"
                        : s.error_wait_kind == kWaitFreeSlot ? "a free ring slot (the peer did not consume)"

@@ -3,10 +3,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 #include "common/exception.cuh"
+#include "common/text.h"
 #include "kernels/buffer_layout.cuh"
 
 namespace ep_plugin {
@@ -97,7 +97,7 @@ void IntranodeRuntime::connect(const std::vector<std::string>& handles) {
     std::memcpy(&handle, handles[r].data(), sizeof(handle));
     cudaError_t err = cudaIpcOpenMemHandle(&peer_buffers_[r], handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
-      std::ostringstream out;
+      Text out;
       out << "rank " << rank_ << " cannot map the NVLink buffer of rank " << r << ": " << cudaGetErrorName(err)
           << " (" << cudaGetErrorString(err) << "); all ranks of the group must share an NVLink/P2P domain";
       throw Error(out.str());
@@ -176,7 +176,7 @@ void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream)
 
 std::string IntranodeRuntime::describe_device_error() const {
   const DeviceStatus& s = *status_host_;
-  std::ostringstream out;
+  Text out;
   if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
         << " waited for peer " << s.error_peer << " (channel " << s.error_channel << ", warp " << s.error_warp
@@ -215,7 +215,7 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
                     cudaGetErrorName(state) + " (" + cudaGetErrorString(state) + ")");
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        std::ostringstream out;
+        Text out;
         out << "rank " << rank_ << ": the notify step of dispatch did not finish within " << timeout_s_
             << " s (a peer never reached the same dispatch call?)";
         throw TimeoutError(out.str());
@@ -225,7 +225,7 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
   }
   const int bad_rank = status_host_->bad_input_rank;
   if (bad_rank >= 0) {
-    std::ostringstream out;
+    Text out;
     out << "rank " << bad_rank << ": topk_idx[" << status_host_->bad_input_detail[0] << ", "
         << status_host_->bad_input_detail[1] << "] = " << status_host_->bad_input_detail[2]
         << " is not an expert id (expected -1 or a value in [0, num_experts)); no data was sent";

@@ -41,12 +41,31 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
+_this_rank = {}  # in a spawned rank: its rank and the results queue, for finish_rank
+
+
+def finish_rank(value: Any) -> None:
+    """Deliver this rank's result now and end the process without running any destructor.
+
+    For a rank whose CUDA context a device-side timeout (trap) has stopped: freeing its tensors
+    would raise inside torch's allocator, where no exception may pass, and abort the process
+    before the result reached the parent. Only valid inside a function run by `parallel_launch`.
+    """
+    results = _this_rank["results"]
+    results.put((_this_rank["rank"], True, value))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
 def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
                fn: Callable, args: tuple, results) -> None:
+    _this_rank.update(rank=rank, results=results)
     for name, value in NO_MULTICAST_ENV.items():
         os.environ.setdefault(name, value)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    faulthandler.enable()  # a crash in native code still prints this rank's Python stack
     dump_after_s = float(os.environ.get(STACK_DUMP_ENV, "0"))
     if dump_after_s > 0:  # diagnosing a hang: every thread's Python stack to stderr, then on
         faulthandler.dump_traceback_later(dump_after_s, repeat=True, file=sys.stderr)

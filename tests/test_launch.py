@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ep_plugin.launch import parallel_launch
+from ep_plugin.launch import finish_rank, parallel_launch
 
 
 def rank_value(rank: int, world_size: int, group) -> tuple:
@@ -38,3 +38,14 @@ def test_a_rank_that_dies_is_reported_at_once():
     with pytest.raises(RuntimeError, match="rank 1 exited with code 7 without a result"):
         parallel_launch(2, rank_that_dies, timeout_s=120)
     assert time.monotonic() - start < 25  # not the 180 s of the timeout, nor rank 0's 30 s
+
+
+def rank_that_finishes_early(rank: int, world_size: int, group) -> str:
+    if rank == 0:
+        finish_rank("finished early")  # ends the process: nothing after this runs
+        raise AssertionError("finish_rank returned")
+    return "returned"
+
+
+def test_finish_rank_delivers_its_value_and_ends_the_rank():
+    assert parallel_launch(2, rank_that_finishes_early) == ["finished early", "returned"]

@@ -23,7 +23,7 @@ import torch
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
-from ep_plugin.launch import parallel_launch
+from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
 from native_helpers import assert_same, capture_graph, make_inputs, run_case
 
@@ -368,7 +368,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
             native.combine(out[0], out[4])
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - the message is the point of the test
-        return _internode_error(native, error)
+        finish_rank(_internode_error(native, error))  # the context is stopped: end before any tensor is freed
     return "no error"
 
 

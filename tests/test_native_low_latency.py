@@ -25,7 +25,7 @@ import torch
 
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer
-from ep_plugin.launch import parallel_launch
+from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.testing import raw_bytes
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
 from native_helpers import capture_graph, poison_allocator
@@ -429,7 +429,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
                 ctx.native._backend._ll.check_device_error()
             except Exception as detail:  # noqa: BLE001
                 message = str(detail)
-        return message
+        finish_rank(message)  # the context is stopped: end before any tensor is freed
     return "no error"
 
 

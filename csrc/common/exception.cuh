@@ -3,9 +3,10 @@
 
 #include <cuda_runtime.h>
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "text.h"
 
 namespace ep_plugin {
 
@@ -28,7 +29,7 @@ class Error : public std::runtime_error {
 };
 
 inline std::string where(const char* file, int line) {
-  std::ostringstream out;
+  Text out;
   out << file << ":" << line;
   return out.str();
 }
@@ -38,7 +39,7 @@ inline std::string where(const char* file, int line) {
 #define EP_HOST_ASSERT(cond, message)                                                              \
   do {                                                                                             \
     if (!(cond)) {                                                                                 \
-      std::ostringstream ep_out_;                                                                  \
+      Text ep_out_;                                                                  \
       ep_out_ << message << " [" #cond " failed at " << ep_plugin::where(__FILE__, __LINE__) << "]"; \
       throw ep_plugin::Error(ep_out_.str());                                                       \
     }                                                                                              \
@@ -47,7 +48,7 @@ inline std::string where(const char* file, int line) {
 #define EP_CHECK_ARG(cond, message)                \
   do {                                             \
     if (!(cond)) {                                 \
-      std::ostringstream ep_out_;                  \
+      Text ep_out_;                  \
       ep_out_ << message;                          \
       throw ep_plugin::InvalidArgument(ep_out_.str()); \
     }                                              \
@@ -57,7 +58,7 @@ inline std::string where(const char* file, int line) {
   do {                                                                                            \
     cudaError_t ep_err_ = (expr);                                                                 \
     if (ep_err_ != cudaSuccess) {                                                                 \
-      std::ostringstream ep_out_;                                                                 \
+      Text ep_out_;                                                                 \
       ep_out_ << #expr << " failed: " << cudaGetErrorName(ep_err_) << " (" << cudaGetErrorString(ep_err_) \
               << ") at " << ep_plugin::where(__FILE__, __LINE__);                                 \
       throw ep_plugin::Error(ep_out_.str());                                                      \
