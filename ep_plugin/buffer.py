@@ -346,8 +346,6 @@ class Buffer:
         V.check_num_experts(num_experts, R)
         if self._settings.check_inputs:
             V.check_expert_ids("topk_idx", topk_idx, num_experts)
-        if num_worst_tokens > 0 and not self._info.is_intranode:
-            raise ValueError("num_worst_tokens > 0 is supported inside one NVLink domain only (as in DeepEP)")
         if num_worst_tokens == 0 and V.is_capturing():
             raise RuntimeError("dispatch under CUDA-graph capture needs num_worst_tokens > 0 "
                                "(otherwise the host must wait for the received-token count)")

@@ -91,10 +91,10 @@ def test_auto_keeps_the_reference_until_verified():
     info = GroupInfo(group=None, rank=0, num_ranks=2, ranks_per_node=1, device=torch.device("cuda", 0))
     nvl = 4 << 20
     reason = native.unsupported_reason(info, False, nvl, requested="auto")
-    if native.INTERNODE_VERIFIED:
+    if native.INTERNODE_BY_DEFAULT:
         assert reason == ""
     else:
-        assert "not yet verified" in reason and "backend: native" in reason
+        assert "not yet faster" in reason and "backend: native" in reason
     assert native.unsupported_reason(info, False, nvl, requested="native") == ""
     assert "num_nvl_bytes" in native.unsupported_reason(info, False, 0, requested="native")
     wide = GroupInfo(group=None, rank=0, num_ranks=32, ranks_per_node=16, device=torch.device("cuda", 0))
@@ -421,5 +421,5 @@ def auto_rank(rank: int, R: int, group) -> str:
 @needs_gpus(2)
 def test_auto_selection_across_emulated_nodes():
     from ep_plugin.backends import native
-    want = "native" if native.INTERNODE_VERIFIED else "reference"
+    want = "native" if native.INTERNODE_BY_DEFAULT else "reference"
     assert parallel_launch(2, auto_rank) == [want, want]
