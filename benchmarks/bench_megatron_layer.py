@@ -56,6 +56,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="write the results (JSON) here")
+    parser.add_argument("--profile-dir", default=None,
+                        help="also profile 2 layer steps per dispatcher (torch.profiler): a kernel table per "
+                             "rank and rank 0's Chrome trace go here")
     args = parser.parse_args(argv)
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     unknown = sorted(set(args.dispatchers) - set(DISPATCHERS))
@@ -141,6 +144,26 @@ def _time(fn, warmup: int, iters: int, flush: torch.Tensor) -> List[float]:
     return times
 
 
+def _profile_layer_steps(step, name: str, rank: int, out_dir: str, steps: int = 2) -> None:
+    """Kernel and op table (by GPU time) of `steps` layer steps; rank 0 also writes its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+    except (AttributeError, KeyError, ValueError):  # torch before the device_time names
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    with open(os.path.join(out_dir, f"megatron_{name}_rank{rank}.txt"), "w") as handle:
+        handle.write(table)
+    if rank == 0:
+        prof.export_chrome_trace(os.path.join(out_dir, f"megatron_{name}_rank0.json"))
+
+
 def _summary(times: List[float]) -> Dict[str, float]:
     ordered = sorted(times)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
@@ -173,6 +196,8 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
         buffer = getattr(layer.token_dispatcher, "buffer", None)
         if buffer is not None:
             extra = {"backend": buffer.backend_name, "num_sms": buffer.num_sms}
+        if args.profile_dir:
+            _profile_layer_steps(lambda: _layer_step(layer, x, grad), name, rank, args.profile_dir)
         results[name] = {"dispatcher_ms": _summary(dispatcher_ms), "layer_step_ms": _summary(layer_ms),
                          "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
         del layer, probs, x

@@ -16,11 +16,14 @@
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench
-#   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel)
+#   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel;
+#              MEGATRON_PROFILE=1 adds torch.profiler tables of the layer step per dispatcher)
 # Megatron needs `carry: [".whl"]` in the device call, after (here, once; .gitignore ignores /.whl/):
 #   python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
+#   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
+#              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
 # A device session has about 30 minutes and each call at most 10: split the stages over calls,
 # e.g. "build tests bench" then "ll internode" then "megatron profile sweeps"; set DEADLINE_S a
 # little under the call's limit so the tests stop in time and the summary still prints.
@@ -113,7 +116,8 @@ for s in $STAGES; do
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
         stage tests timeout "${MEGATRON_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_megatron_gpu.py
         stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py \
-          --out "$OUT/results_dir/megatron_layer.json"
+          --out "$OUT/results_dir/megatron_layer.json" \
+          ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile"}
       else
         echo "megatron: skipped (carry .whl with the megatron-core cp312 wheel; see docs/megatron.md)" >> "$summary"
       fi
@@ -129,6 +133,12 @@ for s in $STAGES; do
         stage profile timeout "${PROFILE_TIMEOUT:-240}" nsys profile -t cuda,nvtx --stats=true -o "$OUT/results_dir/intranode_2ranks" \
           python3 -m ep_plugin bench --num-sms 24 --no-baseline --no-check --warmup 3 --iters 10
       fi
+      ;;
+    timeline)
+      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py \
+        --out-dir "$OUT/results_dir/timeline_4096"
+      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py --tokens 128 \
+        --out-dir "$OUT/results_dir/timeline_128"
       ;;
     sweeps)
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --warmup 2 --iters 10 --plot "$OUT/results_dir/sweep_sms.png"

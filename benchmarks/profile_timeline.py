@@ -1,0 +1,143 @@
+"""Where the time of a normal-mode dispatch/combine goes: a torch.profiler timeline of each rank.
+
+For each rank: a few warm-up rounds, then `--iters` rounds of layout -> dispatch -> combine under
+torch.profiler (CPU and CUDA). Prints, for rank 0, each ep_plugin step's host time next to the GPU
+time of the kernels it launched, and the top kernels by GPU time; writes each rank's Chrome trace
+(open in chrome://tracing or Perfetto) and the tables to `--out-dir`.
+
+The gap between a step's host time and its kernels' time is what no kernel optimisation recovers:
+launches, the host's wait for the notify step, allocations, Python. A kernel's own time against
+the bytes it moves says whether it is bound by NVLink or by its SMs.
+
+    python3 benchmarks/profile_timeline.py --out-dir /tmp/timeline            # GPU machine
+    python3 benchmarks/profile_timeline.py --backend reference --ranks 2 ...   # anywhere (gloo on CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ep_plugin import Buffer
+from ep_plugin.bench import random_routing
+from ep_plugin.launch import parallel_launch
+
+STEPS = ("ep.layout", "ep.dispatch", "ep.combine")
+
+
+def _round(buffer: Buffer, x, topk_idx, weights, num_experts: int) -> None:
+    with record_function("ep.layout"):
+        layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    with record_function("ep.dispatch"):
+        recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+            topk_idx=topk_idx, topk_weights=weights)
+    with record_function("ep.combine"):
+        buffer.combine(recv_x, handle, topk_weights=recv_weights)
+
+
+def _device_us(event) -> float:
+    """GPU time of a profiler row (the attribute's name changed across torch versions)."""
+    for name in ("device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def step_summary(events, iters: int) -> List[Dict[str, float]]:
+    """Per step and iteration: host microseconds, and GPU microseconds of the kernels it launched."""
+    rows = []
+    by_name = {event.key: event for event in events}
+    for step in STEPS:
+        event = by_name.get(step)
+        if event is None:
+            continue
+        rows.append({"step": step, "host_us": event.cpu_time_total / iters, "gpu_us": _device_us(event) / iters})
+    return rows
+
+
+def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    config = {"backend": args.backend, "num_sms": args.num_sms, "check_inputs": False,
+              "buffer": {"max_hidden": args.hidden}}
+    buffer = Buffer.from_config(group, config, explicitly_destroy=True)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16).to(device)
+    topk_idx = random_routing(args.tokens, args.experts, args.topk, device, generator)
+    weights = torch.rand(args.tokens, args.topk, generator=generator).to(device)
+    for _ in range(args.warmup):
+        _round(buffer, x, topk_idx, weights, args.experts)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    torch.distributed.barrier(group=group)
+    with profile(activities=activities) as prof:
+        for _ in range(args.iters):
+            _round(buffer, x, topk_idx, weights, args.experts)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    backend = buffer.backend_name
+    buffer.destroy()
+    events = prof.key_averages()
+    sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = events.table(sort_by=sort_key, row_limit=args.rows)
+    except (AttributeError, KeyError, ValueError):  # older torch: cuda_time names
+        table = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
+    os.makedirs(args.out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(args.out_dir, f"timeline_rank{rank}.json"))
+    with open(os.path.join(args.out_dir, f"kernels_rank{rank}.txt"), "w") as handle:
+        handle.write(table)
+    return {"rank": rank, "backend": backend, "steps": step_summary(events, args.iters), "table": table}
+
+
+def format_steps(result: Dict) -> str:
+    lines = [f"rank {result['rank']} ({result['backend']}): per round, host time of each step and GPU time "
+             "of the kernels it launched",
+             f"{'step':<14}{'host us':>12}{'GPU us':>12}"]
+    for row in result["steps"]:
+        lines.append(f"{row['step']:<14}{row['host_us']:>12.1f}{row['gpu_us']:>12.1f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=None, help="default: the GPUs here (2 on CPU)")
+    parser.add_argument("--backend", default="native", choices=("native", "reference", "auto"))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=20, help="rows of the kernel table")
+    parser.add_argument("--out-dir", default="timeline")
+    args = parser.parse_args(argv)
+    if args.ranks is None:
+        args.ranks = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    if args.experts % args.ranks:
+        parser.error(f"--experts {args.experts} is not divisible by --ranks {args.ranks}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = parallel_launch(args.ranks, profile_rank, args, timeout_s=600)
+    for result in results:
+        print(format_steps(result))
+    print(f"\nrank 0, top kernels and ops by GPU time ({args.iters} rounds):\n{results[0]['table']}")
+    with open(os.path.join(args.out_dir, "steps.json"), "w") as handle:
+        json.dump({"args": vars(args), "steps": [{k: r[k] for k in ("rank", "backend", "steps")} for r in results]},
+                  handle, indent=1)
+    print(f"traces and tables in {args.out_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
