@@ -227,7 +227,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=None, help="default: every GPU here")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank (without --sweep)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None, help="write a PNG (matplotlib)")
     args = parser.parse_args(argv)
     args.sweep = [int(v) for v in args.sweep.split(",") if v.strip()]
+    if args.ranks is None:
+        args.ranks = max(torch.cuda.device_count(), 2)
     if torch.cuda.device_count() < args.ranks:
         print(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 #   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
 #              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
+# On 4 or 8 GPUs (EP4/EP8): EP_TEST_RANKS=4 (or 8) runs the intranode and low-latency tests at that many
+# ranks; `ep-plugin bench` and benchmarks/bench_low_latency.py use every GPU of the machine.
 # A device session has about 30 minutes and each call at most 10: split the stages over calls,
 # e.g. "build tests bench" then "ll internode" then "megatron profile sweeps"; set DEADLINE_S a
 # little under the call's limit so the tests stop in time and the summary still prints.

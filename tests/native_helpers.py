@@ -4,12 +4,18 @@ Inputs for normal mode, exact comparison by bits, allocator poisoning, and CUDA-
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Tuple
 
 import torch
 
 from ep_plugin.fp8 import quantize
 from ep_plugin.testing import raw_bytes
+
+
+def multi_gpu_ranks() -> int:
+    """Ranks of the multi-GPU native tests: EP_TEST_RANKS, default 2 (the 8-GPU issue sets 4 or 8)."""
+    return int(os.environ.get("EP_TEST_RANKS", "2"))
 
 
 def poison_allocator(megabytes: int = 512) -> None:

@@ -13,9 +13,10 @@ import torch
 
 from ep_plugin import Buffer, Config
 from ep_plugin.launch import finish_rank, parallel_launch
-from native_helpers import assert_same, capture_graph, make_inputs, poison_allocator, run_case
+from native_helpers import assert_same, capture_graph, make_inputs, multi_gpu_ranks, poison_allocator, run_case
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 
 def needs_gpus(n: int):
@@ -74,11 +75,10 @@ def cases_rank(rank: int, R: int, group, names) -> list:
     return done
 
 
-@needs_gpus(2)
-def test_cases_two_ranks():
+@needs_gpus(RANKS)
+def test_cases_multi_rank():
     names = [c["name"] for c in CASES]
-    results = parallel_launch(2, cases_rank, names)
-    assert results[0] == names and results[1] == names
+    assert parallel_launch(RANKS, cases_rank, names) == [names] * RANKS
 
 
 @needs_gpus(1)
@@ -126,9 +126,9 @@ def graph_rank(rank: int, R: int, group, replays: int) -> int:
     return replays
 
 
-@needs_gpus(2)
+@needs_gpus(RANKS)
 def test_cuda_graph_capture_and_replay():
-    assert parallel_launch(2, graph_rank, 50) == [50, 50]
+    assert parallel_launch(RANKS, graph_rank, 50) == [50] * RANKS
 
 
 def async_rank(rank: int, R: int, group) -> bool:
@@ -157,9 +157,9 @@ def async_rank(rank: int, R: int, group) -> bool:
     return True
 
 
-@needs_gpus(2)
+@needs_gpus(RANKS)
 def test_async_events():
-    assert parallel_launch(2, async_rank) == [True, True]
+    assert parallel_launch(RANKS, async_rank) == [True] * RANKS
 
 
 def long_run_rank(rank: int, R: int, group, iterations: int) -> int:
@@ -185,9 +185,9 @@ def long_run_rank(rank: int, R: int, group, iterations: int) -> int:
     return iterations
 
 
-@needs_gpus(2)
+@needs_gpus(RANKS)
 def test_1000_back_to_back_iterations():
-    assert parallel_launch(2, long_run_rank, 1000) == [1000, 1000]
+    assert parallel_launch(RANKS, long_run_rank, 1000) == [1000] * RANKS
 
 
 # ---- failures: a missing peer, bad input ------------------------------------------------------
@@ -221,10 +221,10 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     return "no error"
 
 
-@needs_gpus(2)
+@needs_gpus(RANKS)
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
-    results = parallel_launch(2, missing_peer_rank, op)
+    results = parallel_launch(RANKS, missing_peer_rank, op)
     assert results[1] == "absent"
     assert "rank 0" in results[0] and "peer 1" in results[0] and "timeout" in results[0], results[0]
 
@@ -252,8 +252,8 @@ def bad_id_rank(rank: int, R: int, group) -> str:
     return message
 
 
-@needs_gpus(2)
+@needs_gpus(RANKS)
 def test_out_of_range_expert_id_raises_on_every_rank():
-    results = parallel_launch(2, bad_id_rank)
+    results = parallel_launch(RANKS, bad_id_rank)
     for message in results:
         assert "rank 1" in message and "999" in message, message

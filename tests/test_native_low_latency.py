@@ -28,7 +28,7 @@ from ep_plugin import Buffer
 from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.testing import raw_bytes
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
-from native_helpers import capture_graph, poison_allocator
+from native_helpers import capture_graph, multi_gpu_ranks, poison_allocator
 
 try:
     from ep_plugin import _C_nvshmem
@@ -36,10 +36,11 @@ except ImportError:
     _C_nvshmem = None
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 needs_module = pytest.mark.skipif(_C_nvshmem is None, reason="ep_plugin._C_nvshmem is not built (no NVSHMEM)")
-needs_two_gpus = pytest.mark.skipif(NUM_GPUS < 2 or _C_nvshmem is None,
-                                    reason="needs 2 CUDA GPUs and ep_plugin._C_nvshmem (runs on the GPU machine)")
+needs_gpus = pytest.mark.skipif(NUM_GPUS < RANKS or _C_nvshmem is None,
+                                reason=f"needs {RANKS} CUDA GPUs and ep_plugin._C_nvshmem (runs on the GPU machine)")
 
 # The largest configuration of the cases below: the buffer is sized for it once.
 T_MAX, MAX_HIDDEN, NUM_EXPERTS = 128, 7168, 256
@@ -396,13 +397,13 @@ def low_latency_worker(rank: int, R: int, group, seed: int) -> Dict[str, Optiona
 def launch():
     # NOTE: well under the GPU session's 300 s for this file (benchmarks/gpu_session.sh, stage ll): a
     # rank left waiting in NCCL after its peer trapped must fail this launch, not get pytest killed.
-    return parallel_launch(2, low_latency_worker, BASE_SEED, timeout_s=200)
+    return parallel_launch(RANKS, low_latency_worker, BASE_SEED, timeout_s=200)
 
 
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_native_low_latency(launch, case):
-    assert_case_passed(launch, case, f"EP_TEST_SEED={BASE_SEED}, 2 ranks")
+    assert_case_passed(launch, case, f"EP_TEST_SEED={BASE_SEED}, {RANKS} ranks")
 
 
 # ---- a missing peer: the device wait times out and names rank, peer and expert ------------------------
@@ -433,10 +434,10 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     return "no error"
 
 
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_peer_times_out_with_rank_peer_and_expert(op):
-    results = parallel_launch(2, missing_peer_rank, op, timeout_s=120)
+    results = parallel_launch(RANKS, missing_peer_rank, op, timeout_s=120)
     assert results[1] == "absent"
     message = results[0]
     assert "timeout" in message and "rank 0" in message and "peer 1" in message and "expert" in message, message
