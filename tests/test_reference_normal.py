@@ -227,8 +227,6 @@ def case_bad_inputs(ctx: Ctx) -> None:
         buf.dispatch(x, topk_idx=topk, topk_weights=torch.ones(2, 3, device=dev), **layout)
     with pytest.raises(ValueError, match="needs topk_idx"):
         buf.dispatch(x, topk_idx=topk)
-    with pytest.raises(ValueError, match="num_worst_tokens"):
-        ctx.multinode.dispatch(x, topk_idx=topk, num_worst_tokens=8, **layout)
     # Handles: from another Buffer, of the wrong kind, or not a handle.
     recv, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, **layout)
     _, _, _, _, foreign, _ = ctx.other.dispatch(x, topk_idx=topk, **layout)
@@ -302,6 +300,9 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "worst_tokens_overflow": lambda: case_worst_tokens_overflow(ctx),
         "multinode_layout": lambda: dispatch_round(ctx, 14, buffer=ctx.multinode, ranks_per_node=ctx.ranks_per_node,
                                                    num_biases=1, cached="bf16"),
+        # Unlike DeepEP V1, the CUDA-graph path (num_worst_tokens) works across nodes too.
+        "multinode_worst_tokens": lambda: dispatch_round(ctx, 15, buffer=ctx.multinode,
+                                                         ranks_per_node=ctx.ranks_per_node, worst=True, cached="bf16"),
         "bad_inputs": lambda: case_bad_inputs(ctx),
     }
 
@@ -309,7 +310,7 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
 CASES = ("bf16_weights_alignment", "bf16_no_weights_one_bias", "fp8_tuple_cached_bf16", "bf16_cached_fp8_tuple",
          "rank_with_zero_tokens", "zero_tokens_everywhere", "all_to_last_rank", "all_to_one_expert",
          "unrouted_tokens", "heavy_drop", "worst_tokens_padding", "worst_tokens_fp8_padding",
-         "worst_tokens_overflow", "multinode_layout", "bad_inputs")
+         "worst_tokens_overflow", "multinode_layout", "multinode_worst_tokens", "bad_inputs")
 
 
 def normal_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:
