@@ -16,7 +16,9 @@ namespace ep_plugin {
 class Text {
  public:
   Text& operator<<(const std::string& value) { return append(value.data(), value.size()); }
-  Text& operator<<(const char* value) { return value ? append(value, std::char_traits<char>::length(value)) : append("(null)", 6); }
+  Text& operator<<(const char* value) {
+    return value ? append(value, std::char_traits<char>::length(value)) : append("(null)", 6);
+  }
   Text& operator<<(char value) { return append(&value, 1); }
   Text& operator<<(bool value) { return value ? append("true", 4) : append("false", 5); }
   Text& operator<<(double value) { return format("%g", value); }
