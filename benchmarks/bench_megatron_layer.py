@@ -154,10 +154,7 @@ def _profile_layer_steps(step, name: str, rank: int, out_dir: str, steps: int = 
             step()
         torch.cuda.synchronize()
     os.makedirs(out_dir, exist_ok=True)
-    try:
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
-    except (AttributeError, KeyError, ValueError):  # torch before the device_time names
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     with open(os.path.join(out_dir, f"megatron_{name}_rank{rank}.txt"), "w") as handle:
         handle.write(table)
     if rank == 0:

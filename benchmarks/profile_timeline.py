@@ -41,14 +41,6 @@ def _round(buffer: Buffer, x, topk_idx, weights, num_experts: int) -> None:
         buffer.combine(recv_x, handle, topk_weights=recv_weights)
 
 
-def _device_us(event) -> float:
-    """GPU time of a profiler row (the attribute's name changed across torch versions)."""
-    for name in ("device_time_total", "cuda_time_total"):
-        if hasattr(event, name):
-            return float(getattr(event, name))
-    return 0.0
-
-
 def step_summary(events, iters: int) -> List[Dict[str, float]]:
     """Per step and iteration: host microseconds, and GPU microseconds of the kernels it launched."""
     rows = []
@@ -57,7 +49,7 @@ def step_summary(events, iters: int) -> List[Dict[str, float]]:
         event = by_name.get(step)
         if event is None:
             continue
-        rows.append({"step": step, "host_us": event.cpu_time_total / iters, "gpu_us": _device_us(event) / iters})
+        rows.append({"step": step, "host_us": event.cpu_time_total / iters, "gpu_us": event.device_time_total / iters})
     return rows
 
 
@@ -85,10 +77,7 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     buffer.destroy()
     events = prof.key_averages()
     sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        table = events.table(sort_by=sort_key, row_limit=args.rows)
-    except (AttributeError, KeyError, ValueError):  # older torch: cuda_time names
-        table = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
+    table = events.table(sort_by=sort_key, row_limit=args.rows)
     os.makedirs(args.out_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(args.out_dir, f"timeline_rank{rank}.json"))
     with open(os.path.join(args.out_dir, f"kernels_rank{rank}.txt"), "w") as handle:

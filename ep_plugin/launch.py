@@ -51,10 +51,7 @@ def finish_rank(value: Any) -> None:
     would raise inside torch's allocator, where no exception may pass, and abort the process
     before the result reached the parent. Only valid inside a function run by `parallel_launch`.
     """
-    results = _this_rank["results"]
-    results.put((_this_rank["rank"], True, value))
-    results.close()
-    results.join_thread()
+    _deliver(_this_rank["results"], (_this_rank["rank"], True, value))
     os._exit(0)
 
 
@@ -76,15 +73,21 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
                                     timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", rank))
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        value = fn(rank, world_size, dist.group.WORLD, *args)
-        results.put((rank, True, value))
+        outcome = (rank, True, fn(rank, world_size, dist.group.WORLD, *args))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
-        results.put((rank, False, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
-    # NOTE: deliver the result before tearing down: a teardown that blocks in C code while holding the
-    # GIL would otherwise starve the queue's feeder thread, and the parent would never hear from us.
+        outcome = (rank, False, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+    _deliver(results, outcome)
+    _tear_down(backend)
+
+
+def _deliver(results, outcome: tuple) -> None:
+    """Put this rank's result and wait until it has left the process.
+
+    NOTE: before any teardown: a teardown that blocks in C code while holding the GIL would otherwise
+    starve the queue's feeder thread, and the parent would never hear from this rank."""
+    results.put(outcome)
     results.close()
     results.join_thread()
-    _tear_down(backend)
 
 
 def _collect(results, processes, timeout_s: float, collected: dict, failures: list) -> None:

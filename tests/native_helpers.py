@@ -13,6 +13,25 @@ from ep_plugin.fp8 import quantize
 from ep_plugin.testing import raw_bytes
 
 
+# The normal-mode matrix of the intranode issue (hidden sizes, top-k, expert counts, routing skews,
+# -1 entries, an empty rank, weights, alignment, biases, the benchmark's size), shared by the
+# intranode and the internode tests; each adds its own ring and SM cases.
+NORMAL_MODE_CASES = (
+    [dict(name=f"hidden{h}", T=384, H=h, K=8, E=64) for h in (2048, 2560, 4096, 5120, 7168, 8192, 1536)]
+    + [dict(name=f"fp8_hidden{h}", T=384, H=h, K=8, E=64, fp8=True) for h in (7168, 1536, 2560)]
+    + [dict(name=f"topk{k}", T=300, H=2048, K=k, E=64) for k in (1, 2, 6, 8, 9)]
+    + [dict(name=f"experts{e}", T=300, H=2048, K=min(8, e), E=e) for e in (8, 64, 256)]
+    + [dict(name=f"routing_{r}", T=500, H=4096, K=8, E=64, routing=r)
+       for r in ("minus_one", "one_rank", "one_expert", "unrouted")]
+    + [dict(name="empty_rank", T=256, H=4096, K=8, E=64, empty_rank=True),
+       dict(name="no_weights", T=256, H=4096, K=8, E=64, weights=False),
+       dict(name="alignment128", T=256, H=4096, K=8, E=64, alignment=128),
+       dict(name="bias1", T=256, H=4096, K=8, E=64, bias=1),
+       dict(name="bias2", T=256, H=4096, K=8, E=64, bias=2),
+       dict(name="large", T=4096, H=7168, K=8, E=256)]
+)
+
+
 def multi_gpu_ranks() -> int:
     """Ranks of the multi-GPU native tests: EP_TEST_RANKS, default 2 (the 8-GPU issue sets 4 or 8)."""
     return int(os.environ.get("EP_TEST_RANKS", "2"))

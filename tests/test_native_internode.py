@@ -25,7 +25,7 @@ from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
 from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from native_helpers import assert_same, capture_graph, make_inputs, run_case
+from native_helpers import NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, run_case
 
 try:
     from ep_plugin import _C_nvshmem
@@ -183,26 +183,13 @@ def make_buffers(group, ranks_per_node: int = 1, num_sms: int = 24, timeout_s: f
     return native, reference
 
 
-HIDDENS = [2048, 2560, 4096, 5120, 7168, 8192, 1536]
-CASES = (
-    [dict(name=f"hidden{h}", T=384, H=h, K=8, E=64) for h in HIDDENS]
-    + [dict(name=f"fp8_hidden{h}", T=384, H=h, K=8, E=64, fp8=True) for h in (7168, 1536, 2560)]
-    + [dict(name=f"topk{k}", T=300, H=2048, K=k, E=64) for k in (1, 2, 6, 8, 9)]
-    + [dict(name=f"experts{e}", T=300, H=2048, K=min(8, e), E=e) for e in (8, 64, 256)]
-    + [dict(name=f"routing_{r}", T=500, H=4096, K=8, E=64, routing=r)
-       for r in ("minus_one", "one_rank", "one_expert", "unrouted")]
-    + [dict(name="empty_rank", T=256, H=4096, K=8, E=64, empty_rank=True),
-       dict(name="no_weights", T=256, H=4096, K=8, E=64, weights=False),
-       dict(name="alignment128", T=256, H=4096, K=8, E=64, alignment=128),
-       dict(name="bias1", T=256, H=4096, K=8, E=64, bias=1),
-       dict(name="bias2", T=256, H=4096, K=8, E=64, bias=2),
-       dict(name="small_ring", T=700, H=4096, K=8, E=64, config=SMALL_RING, combine_config=SMALL_RING),
+CASES = NORMAL_MODE_CASES + (
+    [dict(name="small_ring", T=700, H=4096, K=8, E=64, config=SMALL_RING, combine_config=SMALL_RING),
        dict(name="one_slot", T=200, H=2048, K=8, E=64, config=ONE_SLOT, combine_config=ONE_SLOT),
        dict(name="ring_change", T=300, H=2048, K=8, E=64, config=SMALL_RING, combine_config=ONE_SLOT,
             cached_config=ONE_SLOT),
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=TWO_SMS, combine_config=TWO_SMS),
        dict(name="sms48", T=1000, H=7168, K=8, E=256, config=MANY_SMS, combine_config=MANY_SMS),
-       dict(name="large", T=4096, H=7168, K=8, E=256),
        dict(name="few_tokens", T=3, H=2048, K=8, E=64)]
 )
 

@@ -13,7 +13,8 @@ import torch
 
 from ep_plugin import Buffer, Config
 from ep_plugin.launch import finish_rank, parallel_launch
-from native_helpers import assert_same, capture_graph, make_inputs, multi_gpu_ranks, poison_allocator, run_case
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, multi_gpu_ranks,
+                            poison_allocator, run_case)
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
@@ -36,26 +37,13 @@ def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: fl
     return native, reference
 
 
-HIDDENS = [2048, 2560, 4096, 5120, 7168, 8192, 1536]
-CASES = (
-    [dict(name=f"hidden{h}", T=384, H=h, K=8, E=64) for h in HIDDENS]
-    + [dict(name=f"fp8_hidden{h}", T=384, H=h, K=8, E=64, fp8=True) for h in (7168, 1536, 2560)]
-    + [dict(name=f"topk{k}", T=300, H=2048, K=k, E=64) for k in (1, 2, 6, 8, 9)]
-    + [dict(name=f"experts{e}", T=300, H=2048, K=min(8, e), E=e) for e in (8, 64, 256)]
-    + [dict(name=f"routing_{r}", T=500, H=4096, K=8, E=64, routing=r)
-       for r in ("minus_one", "one_rank", "one_expert", "unrouted")]
-    + [dict(name="empty_rank", T=256, H=4096, K=8, E=64, empty_rank=True),
-       dict(name="no_weights", T=256, H=4096, K=8, E=64, weights=False),
-       dict(name="alignment128", T=256, H=4096, K=8, E=64, alignment=128),
-       dict(name="bias1", T=256, H=4096, K=8, E=64, bias=1),
-       dict(name="bias2", T=256, H=4096, K=8, E=64, bias=2),
-       dict(name="num_worst", T=256, H=4096, K=8, E=64, num_worst=1024),
+CASES = NORMAL_MODE_CASES + (
+    [dict(name="num_worst", T=256, H=4096, K=8, E=64, num_worst=1024),
        dict(name="num_worst_fp8", T=256, H=7168, K=8, E=64, num_worst=600, fp8=True),
        dict(name="small_ring", T=700, H=4096, K=8, E=64, config=Config(24, 2, 16), combine_config=Config(24, 2, 16)),
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
        dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
-       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64)),
-       dict(name="large", T=4096, H=7168, K=8, E=256)]
+       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64))]
 )
 
 

@@ -325,13 +325,18 @@ class NativeBackend(Backend):
             return self._internode_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                                             num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
         self._check_sms(config)
+        return self._node_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                                   expert_alignment, num_worst_tokens, config)
+
+    def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                       expert_alignment, num_worst_tokens, config: Config):
+        """The intranode kernels among the ranks of this node: notify, the host's wait for the received
+        count (unless `num_worst_tokens`), outputs, dispatch. `is_token_in_rank` is `[T, ranks of the
+        node]` and expert ids count from the node's first expert. Returns DeepEP's dispatch outputs."""
         T, K = topk_idx.shape
-        R = self.info.num_ranks
+        R = is_token_in_rank.size(1)
         num_experts = num_tokens_per_expert.size(0)
-        num_local_experts = num_experts // R
-        if num_local_experts > _C.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"{num_local_experts} experts per rank; the native kernels take at most "
-                             f"{_C.MAX_LOCAL_EXPERTS}")
+        num_local_experts = _local_experts(num_experts, R)
         send_pos = self._empty(T, R, dtype=torch.int32)
         recv_rank_offsets = self._empty(R + 1, dtype=torch.int32)
         src_num_tokens = self._empty(R, dtype=torch.int32)
@@ -342,14 +347,15 @@ class NativeBackend(Backend):
             host_tag = self._notify_tag
         stream = self._stream()
         self._intranode().notify(is_token_in_rank=_address(is_token_in_rank),
-                             num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=_address(topk_idx),
-                             num_tokens=T, num_topk=K, num_experts=num_experts, expert_alignment=expert_alignment,
-                             num_worst_tokens=num_worst_tokens, send_pos=_address(send_pos),
-                             recv_rank_offsets=_address(recv_rank_offsets), src_num_tokens=_address(src_num_tokens),
-                             num_recv_tokens=_address(num_recv_device), host_tag=host_tag, stream=stream)
+                                 num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=_address(topk_idx),
+                                 num_tokens=T, num_topk=K, num_experts=num_experts, expert_alignment=expert_alignment,
+                                 num_worst_tokens=num_worst_tokens, send_pos=_address(send_pos),
+                                 recv_rank_offsets=_address(recv_rank_offsets),
+                                 src_num_tokens=_address(src_num_tokens), num_recv_tokens=_address(num_recv_device),
+                                 host_tag=host_tag, stream=stream)
         if num_worst_tokens == 0:
             num_recv, per_expert = self._intranode().wait_notify(tag=host_tag, num_local_experts=num_local_experts,
-                                                             stream=stream)
+                                                                 stream=stream)
             rows = num_recv
         else:
             num_recv, per_expert, rows = None, [], num_worst_tokens
@@ -448,10 +454,7 @@ class NativeBackend(Backend):
         R, L, N = self.info.num_ranks, self.info.ranks_per_node, self.info.num_nodes
         T, K = topk_idx.shape
         num_experts = num_tokens_per_expert.size(0)
-        num_local_experts = num_experts // R
-        if num_local_experts > _C.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"{num_local_experts} experts per rank; the native kernels take at most "
-                             f"{_C.MAX_LOCAL_EXPERTS}")
+        num_local_experts = _local_experts(num_experts, R)
         C, S = config.num_channels, config.num_max_rdma_chunked_recv_tokens
         self._check_internode_sms(C)
         row_bytes = x.size(1) * x.element_size()
@@ -503,39 +506,10 @@ class NativeBackend(Backend):
                                num_ranks=L, ranks_per_node=L, num_tokens_per_rank=_address(node_per_rank),
                                num_tokens_per_node=0, num_tokens_per_expert=_address(node_per_expert),
                                is_token_in_rank=_address(node_in_rank), stream=stream)
-        node_send_pos = self._empty(F, L, dtype=torch.int32)
-        node_rank_offsets = self._empty(L + 1, dtype=torch.int32)
-        node_src_tokens = self._empty(L, dtype=torch.int32)
-        node_num_recv = self._empty(1, dtype=torch.int32)
-        node_tag = 0
-        if not graph:
-            self._notify_tag += 1
-            node_tag = self._notify_tag
-        self._intranode().notify(is_token_in_rank=_address(node_in_rank),
-                                 num_tokens_per_expert=_address(node_per_expert), topk_idx=_address(node_topk),
-                                 num_tokens=F, num_topk=K, num_experts=node_experts,
-                                 expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                 send_pos=_address(node_send_pos), recv_rank_offsets=_address(node_rank_offsets),
-                                 src_num_tokens=_address(node_src_tokens), num_recv_tokens=_address(node_num_recv),
-                                 host_tag=node_tag, stream=stream)
-        if not graph:
-            num_recv, per_expert = self._intranode().wait_notify(tag=node_tag, num_local_experts=num_local_experts,
-                                                                 stream=stream)
-            rows = num_recv
-        else:
-            num_recv, per_expert, rows = None, [], num_worst_tokens
-        recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
-        recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
-        recv_topk_idx = self._empty(rows, K, dtype=torch.int64)
-        recv_topk_weights = None if topk_weights is None else self._empty(rows, K, dtype=torch.float32)
-        recv_src_idx = self._empty(rows, dtype=torch.int32)
-        self._launch_dispatch(fwd_x, fwd_scales, node_topk, fwd_weights, node_send_pos, recv_x, recv_scales,
-                              recv_topk_idx, recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens,
-                              node_num_recv, config)
-        node = NativeHandle(owner=self, num_tokens=F, num_recv_rows=rows, num_recv_tokens=num_recv,
-                            num_worst_tokens=num_worst_tokens, is_token_in_rank=node_in_rank, send_pos=node_send_pos,
-                            recv_rank_offsets=node_rank_offsets, src_num_tokens=node_src_tokens,
-                            recv_src_idx=recv_src_idx, num_recv_device=node_num_recv)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, node = self._node_dispatch(
+            fwd_x, fwd_scales, node_topk, fwd_weights, node_in_rank, node_per_expert, expert_alignment,
+            num_worst_tokens, config)
+        rows = node.num_recv_rows
 
         perm = inv_perm = None
         if L > 1:
@@ -817,6 +791,15 @@ def source_order(final_src_node: torch.Tensor, recv_rank_offsets: torch.Tensor, 
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = index
     return perm, inv_perm
+
+
+def _local_experts(num_experts: int, num_ranks: int) -> int:
+    """Experts per rank, within what the intranode kernels hold."""
+    num_local_experts = num_experts // num_ranks
+    if num_local_experts > _C.MAX_LOCAL_EXPERTS:
+        raise ValueError(f"{num_local_experts} experts per rank; the native kernels take at most "
+                         f"{_C.MAX_LOCAL_EXPERTS}")
+    return num_local_experts
 
 
 def _take(tensor: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tensor]:

@@ -17,13 +17,15 @@ Differences handled here:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-import re
 import warnings
 from typing import Optional, Tuple
 
 import torch
+
+from .._release import parse_release
 
 # Inclusive range of (major, minor) releases this integration was written against.
 SUPPORTED_MIN = (0, 16)
@@ -55,11 +57,11 @@ def megatron_version() -> str:
 
 
 def parse_version(text: str) -> Tuple[int, int, int]:
-    """'0.19.2+f6a5b40' -> (0, 19, 2); pre-releases keep their numeric part ('0.20.0rc1' -> (0, 20, 0))."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
+    """'0.19.2+f6a5b40' -> (0, 19, 2); see `parse_release`."""
+    release = parse_release(text)
+    if release is None:
         raise MegatronVersionError(f"cannot parse the megatron-core version {text!r}")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+    return release
 
 
 def check_version(text: Optional[str] = None) -> Tuple[int, int, int]:
@@ -117,10 +119,9 @@ def check_surface() -> None:
 
 
 # ---- permutation ---------------------------------------------------------------------------------
-_PERMUTE_PARAMS: Optional[frozenset] = None
-_UNPERMUTE_PARAMS: Optional[frozenset] = None
 
 
+@functools.lru_cache(maxsize=None)
 def _params(function) -> frozenset:
     return frozenset(inspect.signature(function).parameters)
 
@@ -140,14 +141,12 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         permuted `[M, H]` (rows grouped by expert, in row order within an expert), permuted probs `[M]`,
         the mapping for `unpermute`, pad offsets or None, tokens per expert after any padding.
     """
-    global _PERMUTE_PARAMS
     from megatron.core.transformer.moe import moe_utils
-    if _PERMUTE_PARAMS is None:
-        _PERMUTE_PARAMS = _params(moe_utils.permute)
+    accepted = _params(moe_utils.permute)
     kwargs = dict(probs=probs, num_out_tokens=num_out_tokens, fused=fused)
-    if "tokens_per_expert" in _PERMUTE_PARAMS:
+    if "tokens_per_expert" in accepted:
         kwargs["tokens_per_expert"] = tokens_per_expert
-    if "align_size" in _PERMUTE_PARAMS and align_size > 0:
+    if "align_size" in accepted and align_size > 0:
         kwargs["align_size"] = align_size
     result = moe_utils.permute(tokens, routing_map, **kwargs)
     if len(result) == 3:  # 0.16
@@ -162,12 +161,9 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
 def unpermute(permuted: torch.Tensor, mapping: torch.Tensor, restore_shape: torch.Size, routing_map: torch.Tensor,
               fused: bool, pad_offsets: Optional[torch.Tensor]) -> torch.Tensor:
     """Megatron's `moe_utils.unpermute` without probs (the experts applied them): rows summed back into `[N, H]`."""
-    global _UNPERMUTE_PARAMS
     from megatron.core.transformer.moe import moe_utils
-    if _UNPERMUTE_PARAMS is None:
-        _UNPERMUTE_PARAMS = _params(moe_utils.unpermute)
     kwargs = dict(restore_shape=restore_shape, routing_map=routing_map, fused=fused)
-    if "pad_offsets" in _UNPERMUTE_PARAMS:
+    if "pad_offsets" in _params(moe_utils.unpermute):
         kwargs["pad_offsets"] = pad_offsets
     elif pad_offsets is not None:
         raise MegatronVersionError("permute returned pad offsets but unpermute cannot take them")

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import sys
 import typing
 import warnings
 from typing import Any, Callable, Tuple
+
+from .._release import parse_release
 
 BACKEND_NAME = "ep_plugin"
 # Inclusive range of (major, minor) releases this module was written and tested against.
@@ -56,11 +57,11 @@ def vllm_version() -> str:
 
 
 def parse_version(text: str) -> Tuple[int, int, int]:
-    """'0.33.1+cu130' -> (0, 33, 1); pre-releases keep their numeric part ('0.34.0rc1' -> (0, 34, 0))."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
+    """'0.33.1+cu130' -> (0, 33, 1); see `parse_release`."""
+    release = parse_release(text)
+    if release is None:
         raise VllmVersionError(f"cannot parse the vLLM version {text!r}")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+    return release
 
 
 def check_version(text: str | None = None) -> Tuple[int, int, int]:
