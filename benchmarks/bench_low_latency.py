@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ep_plugin import Buffer
-from ep_plugin.launch import parallel_launch
+from ep_plugin.launch import RANKS_PER_GPU_ENV, parallel_launch, rank_device, rank_slots
 from ep_plugin.testing import raw_bytes
 
 DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
@@ -138,7 +138,7 @@ def time_reference(reference: Buffer, x, ids, weights, T: int, E: int, use_fp8: 
 
 
 def bench_rank(rank: int, R: int, group, args: argparse.Namespace) -> dict:
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank_device(rank))
     H, K, E = args.hidden, args.topk, args.experts
     use_fp8 = args.dtype == "fp8"
     points = args.sweep or [args.tokens]
@@ -245,8 +245,9 @@ def main(argv=None) -> int:
     args.sweep = [int(v) for v in args.sweep.split(",") if v.strip()]
     if args.ranks is None:
         args.ranks = max(torch.cuda.device_count(), 2)
-    if torch.cuda.device_count() < args.ranks:
-        print(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+    if rank_slots() < args.ranks:
+        print(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()} (ranks share a GPU only under CUDA MPS "
+              f"with {RANKS_PER_GPU_ENV} set)", file=sys.stderr)
         return 2
     per_rank = parallel_launch(args.ranks, bench_rank, args, timeout_s=1800)
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),

@@ -5,6 +5,10 @@
 #
 # Stages (run in the order given):
 #   build      pip install -e . (both extensions), GPU facts into build.log
+#   share      start CUDA MPS so that RANKS_PER_GPU (default 2) ranks share each GPU: on a machine with
+#              fewer GPUs than ranks, the multi-rank tests and benchmarks then run with ranks sharing
+#              GPUs (a correctness run: "links" are the GPU's own memory, so timings are not NVLink's).
+#              Later stages pass --ranks $BENCH_RANKS to the benchmarks where it is set.
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode tests), -k "$PYTEST_K" if set,
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
@@ -16,7 +20,7 @@
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench
-#   megatron   Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel;
+#   megatron   Megatron GPU tests and the layer benchmark at MEGATRON_RANKS (default 2) GPUs (carry .whl with the megatron-core cp312 wheel;
 #              MEGATRON_PROFILE=1 adds torch.profiler tables of the layer step per dispatcher)
 # Megatron needs `carry: [".whl"]` in the device call, after (here, once; .gitignore ignores /.whl/):
 #   python3 -m pip download --no-deps --only-binary=:all: \
@@ -58,7 +62,8 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
 
 bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
   local name=$1; shift
-  stage bench timeout "${BENCH_TIMEOUT:-300}" python3 -m ep_plugin bench --out "$OUT/results_dir/$name.json" "$@"
+  stage bench timeout "${BENCH_TIMEOUT:-300}" python3 -m ep_plugin bench --out "$OUT/results_dir/$name.json" \
+    ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} "$@"
 }
 
 for s in $STAGES; do
@@ -66,6 +71,20 @@ for s in $STAGES; do
     build)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/build.log" 2>&1
       stage build python3 -m pip install --no-build-isolation --no-deps -e . || { cat "$summary"; tail -40 "$OUT/build.log"; exit 1; }
+      ;;
+    share)
+      per_gpu=${RANKS_PER_GPU:-2}
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/ep_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ep_mps_log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      # NOTE: NVSHMEM shares a GPU between PEs under MPS when their active-thread shares add up to at most 100%.
+      if stage share nvidia-cuda-mps-control -d && stage share python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+          && echo get_server_list | nvidia-cuda-mps-control | grep -q '[0-9]'; then
+        export EP_PLUGIN_RANKS_PER_GPU=$per_gpu CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / per_gpu))
+        echo "share: CUDA MPS runs; $per_gpu ranks per GPU, $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE% of each GPU per rank" >> "$summary"
+      else
+        echo "share: CUDA MPS did not start (see share.log and $CUDA_MPS_LOG_DIRECTORY); ranks keep their own GPUs" >> "$summary"
+        cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >> "$OUT/share.log" 2>/dev/null
+      fi
       ;;
     tests)
       # With DEADLINE_S set, the tests get what is left of it (less a margin for the summary).
@@ -102,7 +121,7 @@ for s in $STAGES; do
     ll)
       [ "${LL_TESTS:-1}" = 1 ] && stage tests timeout "${LL_TEST_TIMEOUT:-300}" \
         python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py -k "not missing_peer"
-      stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py \
+      stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} \
         --out "$OUT/results_dir/low_latency.json" --plot "$OUT/results_dir/low_latency_tokens.png"
       ;;
     internode)
@@ -117,7 +136,7 @@ for s in $STAGES; do
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/tests.log" 2>&1
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
         stage tests timeout "${MEGATRON_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_megatron_gpu.py
-        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py \
+        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
           --out "$OUT/results_dir/megatron_layer.json" \
           ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile"}
       else
@@ -137,9 +156,9 @@ for s in $STAGES; do
       fi
       ;;
     timeline)
-      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py \
+      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} \
         --out-dir "$OUT/results_dir/timeline_4096"
-      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py --tokens 128 \
+      stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} --tokens 128 \
         --out-dir "$OUT/results_dir/timeline_128"
       ;;
     sweeps)

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ep_plugin import Buffer
 from ep_plugin.bench import random_routing
-from ep_plugin.launch import parallel_launch
+from ep_plugin.launch import parallel_launch, rank_device
 
 STEPS = ("ep.layout", "ep.dispatch", "ep.combine")
 
@@ -54,7 +54,7 @@ def step_summary(events, iters: int) -> List[Dict[str, float]]:
 
 
 def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device(rank)
     config = {"backend": args.backend, "num_sms": args.num_sms, "check_inputs": False,
               "buffer": {"max_hidden": args.hidden}}
     buffer = Buffer.from_config(group, config, explicitly_destroy=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .buffer import Buffer
 from .config import EpConfig, load_config
 from .testing import raw_bytes
-from .launch import parallel_launch
+from .launch import RANKS_PER_GPU_ENV, parallel_launch, rank_device, rank_slots
 
 GPU_DEFAULTS = {"normal": dict(num_tokens=4096, hidden=7168, num_topk=8, num_experts=256),
                 "low_latency": dict(num_tokens=128, hidden=7168, num_topk=8, num_experts=256)}
@@ -286,22 +286,23 @@ def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.
 
 
 def _p2p_ceiling_gbps(rank: int, R: int, group) -> Optional[float]:
-    """GB/s of a 1 GiB copy into the next rank's GPU, all ranks copying at once (per direction)."""
-    if not torch.cuda.is_available() or R < 2:
+    """GB/s of a 1 GiB copy into the next rank's GPU, all ranks copying at once (per direction);
+    None on one rank, without GPUs, or where ranks share GPUs (no link to measure)."""
+    if not torch.cuda.is_available() or R < 2 or R > torch.cuda.device_count():
         return None
     size = 1 << 30
-    src = torch.empty(size, dtype=torch.uint8, device=f"cuda:{rank}")
-    dst = torch.empty(size, dtype=torch.uint8, device=f"cuda:{(rank + 1) % R}")
-    timer = Timer(torch.device("cuda", rank))
+    here, there = rank_device(rank), rank_device((rank + 1) % R)
+    src = torch.empty(size, dtype=torch.uint8, device=here)
+    dst = torch.empty(size, dtype=torch.uint8, device=there)
+    timer = Timer(here)
     times = timer.run(lambda: dst.copy_(src, non_blocking=True), group, 2, 5)
-    torch.cuda.synchronize((rank + 1) % R)
+    torch.cuda.synchronize(there)
     return size / (statistics.median(times) * 1e-6) / 1e9
 
 
 def _bench_rank(rank: int, R: int, group, points: List[BenchSettings]) -> List[dict]:
     """Every point of a sweep in one set of processes; the P2P ceiling once."""
-    device = torch.device("cuda", rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
+    device = rank_device(rank)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     p2p = _p2p_ceiling_gbps(rank, R, group)
     results = []
@@ -378,6 +379,9 @@ def run_bench(s: BenchSettings) -> dict:
     """Run the benchmark (every sweep point in one launch); returns everything `--out` writes."""
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
     num_ranks = s.num_ranks or default_num_ranks()
+    if on_gpu and num_ranks > rank_slots():
+        raise SystemExit(f"ep-plugin bench: {num_ranks} ranks need {num_ranks} GPUs, found {torch.cuda.device_count()} "
+                         f"(ranks can share a GPU only under CUDA MPS: start it and set {RANKS_PER_GPU_ENV})")
     base = s.resolved(on_gpu)
     points = [base]
     if s.sweep:

@@ -2,6 +2,10 @@
 
 Used by the tests and by `ep-plugin bench`. Each rank's return value comes back to the caller; an
 exception on any rank is re-raised in the caller with that rank's traceback.
+
+With more ranks than GPUs, ranks share GPUs (rank r uses GPU r mod #GPUs) over a gloo group. The
+native kernels of ranks that share a GPU only make progress together where their kernels run at the
+same time, that is under CUDA MPS (see `gpus_shared_by_ranks`).
 """
 from __future__ import annotations
 
@@ -34,11 +38,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Set by whoever started CUDA MPS (benchmarks/gpu_session.sh): how many ranks may share one GPU.
+RANKS_PER_GPU_ENV = "EP_PLUGIN_RANKS_PER_GPU"
+
+
 def default_backend(world_size: int) -> str:
     """NCCL when every rank can have its own GPU, else gloo."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of a spawned rank: GPU `rank mod #GPUs`, or the CPU where there is no GPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def gpus_shared_by_ranks() -> int:
+    """Ranks that may share one GPU: 1, unless CUDA MPS runs and EP_PLUGIN_RANKS_PER_GPU says more.
+
+    NOTE: without MPS, kernels of different processes never run at the same time on one GPU, so two
+    ranks whose kernels wait for each other on a shared GPU would only advance by time slices."""
+    value = os.environ.get(RANKS_PER_GPU_ENV, "1")
+    try:
+        ranks = int(value)
+    except ValueError:
+        raise ValueError(f"{RANKS_PER_GPU_ENV} must be a positive int, got {value!r}") from None
+    if ranks < 1:
+        raise ValueError(f"{RANKS_PER_GPU_ENV} must be a positive int, got {value!r}")
+    return ranks
+
+
+def rank_slots() -> int:
+    """How many ranks the GPUs here can hold at once (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count() * gpus_shared_by_ranks()
 
 
 _this_rank = {}  # in a spawned rank: its rank and the results queue, for finish_rank
@@ -67,10 +104,11 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     if dump_after_s > 0:  # diagnosing a hang: every thread's Python stack to stderr, then on
         faulthandler.dump_traceback_later(dump_after_s, repeat=True, file=sys.stderr)
     try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank_device(rank))
         if backend == "nccl":
-            torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", rank))
+                                    timeout=timedelta(seconds=timeout_s), device_id=rank_device(rank))
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         outcome = (rank, True, fn(rank, world_size, dist.group.WORLD, *args))

@@ -7,10 +7,14 @@ from __future__ import annotations
 import os
 from typing import Callable, Tuple
 
+import pytest
 import torch
 
 from ep_plugin.fp8 import quantize
+from ep_plugin.launch import RANKS_PER_GPU_ENV, rank_slots
 from ep_plugin.testing import raw_bytes
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # The normal-mode matrix of the intranode issue (hidden sizes, top-k, expert counts, routing skews,
@@ -35,6 +39,19 @@ NORMAL_MODE_CASES = (
 def multi_gpu_ranks() -> int:
     """Ranks of the multi-GPU native tests: EP_TEST_RANKS, default 2 (the 8-GPU issue sets 4 or 8)."""
     return int(os.environ.get("EP_TEST_RANKS", "2"))
+
+
+def needs_ranks(n: int, own_gpus: bool = False, module: object = True):
+    """Skip unless `n` ranks fit on the GPUs here and `module` (an optional extension) is built.
+
+    Ranks may share a GPU under CUDA MPS (EP_PLUGIN_RANKS_PER_GPU), except with `own_gpus`: a test
+    that ends in a device trap needs its own GPUs, since under MPS a trap also stops the contexts
+    of every other process on that GPU."""
+    slots = NUM_GPUS if own_gpus else rank_slots()
+    where = "its own GPU" if own_gpus else f"a GPU (or a share of one under MPS, {RANKS_PER_GPU_ENV})"
+    return pytest.mark.skipif(slots < n or module is None,
+                              reason=f"needs {n} ranks with {where}{'' if module is not None else ' and NVSHMEM'} "
+                                     "(runs on the GPU machine)")
 
 
 def poison_allocator(megabytes: int = 512) -> None:

@@ -4,7 +4,9 @@ import time
 
 import pytest
 
-from ep_plugin.launch import finish_rank, parallel_launch
+import torch
+
+from ep_plugin.launch import RANKS_PER_GPU_ENV, finish_rank, gpus_shared_by_ranks, parallel_launch, rank_device, rank_slots
 
 
 def rank_value(rank: int, world_size: int, group) -> tuple:
@@ -49,3 +51,22 @@ def rank_that_finishes_early(rank: int, world_size: int, group) -> str:
 
 def test_finish_rank_delivers_its_value_and_ends_the_rank():
     assert parallel_launch(2, rank_that_finishes_early) == ["finished early", "returned"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_a_bad_ranks_per_gpu_setting_is_refused_with_its_name(monkeypatch, value):
+    monkeypatch.setenv(RANKS_PER_GPU_ENV, value)
+    with pytest.raises(ValueError, match=RANKS_PER_GPU_ENV):
+        gpus_shared_by_ranks()
+
+
+def test_ranks_share_gpus_only_where_mps_is_declared(monkeypatch):
+    monkeypatch.delenv(RANKS_PER_GPU_ENV, raising=False)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert rank_slots() == gpus
+    monkeypatch.setenv(RANKS_PER_GPU_ENV, "3")
+    assert gpus_shared_by_ranks() == 3
+    assert rank_slots() == 3 * gpus
+    for rank in range(5):
+        device = rank_device(rank)
+        assert device == (torch.device("cuda", rank % gpus) if gpus else torch.device("cpu"))

@@ -25,20 +25,18 @@ from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
 from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from native_helpers import NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, run_case
+from native_helpers import NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, needs_ranks, run_case
 
 try:
     from ep_plugin import _C_nvshmem
 except ImportError:
     _C_nvshmem = None
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_module = pytest.mark.skipif(_C_nvshmem is None, reason="ep_plugin._C_nvshmem is not built (no NVSHMEM)")
 
 
-def needs_gpus(n: int):
-    return pytest.mark.skipif(NUM_GPUS < n or _C_nvshmem is None,
-                              reason=f"needs {n} CUDA GPUs and ep_plugin._C_nvshmem (runs on the GPU machine)")
+def needs_gpus(n: int, own_gpus: bool = False):
+    return needs_ranks(n, own_gpus=own_gpus, module=_C_nvshmem)
 
 
 # ---- CPU: size hint, limits, selection --------------------------------------------------------------
@@ -359,7 +357,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     return "no error"
 
 
-@needs_gpus(2)
+@needs_gpus(2, own_gpus=True)
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
     results = parallel_launch(2, missing_peer_rank, op)

@@ -13,15 +13,10 @@ import torch
 
 from ep_plugin import Buffer, Config
 from ep_plugin.launch import finish_rank, parallel_launch
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, multi_gpu_ranks,
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, multi_gpu_ranks, needs_ranks,
                             poison_allocator, run_case)
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
-
-
-def needs_gpus(n: int):
-    return pytest.mark.skipif(NUM_GPUS < n, reason=f"needs {n} CUDA GPUs (runs on the GPU machine)")
 
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
@@ -63,13 +58,13 @@ def cases_rank(rank: int, R: int, group, names) -> list:
     return done
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS)
 def test_cases_multi_rank():
     names = [c["name"] for c in CASES]
     assert parallel_launch(RANKS, cases_rank, names) == [names] * RANKS
 
 
-@needs_gpus(1)
+@needs_ranks(1)
 def test_cases_one_rank():
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
                                                       "num_worst", "bias2", "small_ring")]
@@ -114,7 +109,7 @@ def graph_rank(rank: int, R: int, group, replays: int) -> int:
     return replays
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS)
 def test_cuda_graph_capture_and_replay():
     assert parallel_launch(RANKS, graph_rank, 50) == [50] * RANKS
 
@@ -145,7 +140,7 @@ def async_rank(rank: int, R: int, group) -> bool:
     return True
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS)
 def test_async_events():
     assert parallel_launch(RANKS, async_rank) == [True] * RANKS
 
@@ -173,7 +168,7 @@ def long_run_rank(rank: int, R: int, group, iterations: int) -> int:
     return iterations
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS)
 def test_1000_back_to_back_iterations():
     assert parallel_launch(RANKS, long_run_rank, 1000) == [1000] * RANKS
 
@@ -209,7 +204,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     return "no error"
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS, own_gpus=True)
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
     results = parallel_launch(RANKS, missing_peer_rank, op)
@@ -240,7 +235,7 @@ def bad_id_rank(rank: int, R: int, group) -> str:
     return message
 
 
-@needs_gpus(RANKS)
+@needs_ranks(RANKS)
 def test_out_of_range_expert_id_raises_on_every_rank():
     results = parallel_launch(RANKS, bad_id_rank)
     for message in results:

@@ -28,19 +28,17 @@ from ep_plugin import Buffer
 from ep_plugin.launch import finish_rank, parallel_launch
 from ep_plugin.testing import raw_bytes
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
-from native_helpers import capture_graph, multi_gpu_ranks, poison_allocator
+from native_helpers import capture_graph, multi_gpu_ranks, needs_ranks, poison_allocator
 
 try:
     from ep_plugin import _C_nvshmem
 except ImportError:
     _C_nvshmem = None
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 needs_module = pytest.mark.skipif(_C_nvshmem is None, reason="ep_plugin._C_nvshmem is not built (no NVSHMEM)")
-needs_gpus = pytest.mark.skipif(NUM_GPUS < RANKS or _C_nvshmem is None,
-                                reason=f"needs {RANKS} CUDA GPUs and ep_plugin._C_nvshmem (runs on the GPU machine)")
+needs_gpus = needs_ranks(RANKS, module=_C_nvshmem)
 
 # The largest configuration of the cases below: the buffer is sized for it once.
 T_MAX, MAX_HIDDEN, NUM_EXPERTS = 128, 7168, 256
@@ -434,7 +432,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     return "no error"
 
 
-@needs_gpus
+@needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_peer_times_out_with_rank_peer_and_expert(op):
     results = parallel_launch(RANKS, missing_peer_rank, op, timeout_s=120)
