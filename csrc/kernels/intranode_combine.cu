@@ -16,7 +16,11 @@
 namespace ep_plugin::intranode {
 namespace {
 
-constexpr int kCombineUnroll = 6;  // 16-byte units per lane accumulated per pass
+// The receiver loads kSourcesInFlight copies of kCombineUnroll 16-byte units per lane before summing
+// them: a token's copies come from different ranks, so their loads need not wait for each other.
+// (Loading one copy at a time measured 611 us against 413 us at 4096 x 7168 on 24 SMs, 2 ranks.)
+constexpr int kCombineUnroll = 4;
+constexpr int kSourcesInFlight = 2;
 
 // Sends one row into the owner's ring; lane `owner` holds that ring's state.
 __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout& layout, int row, int owner,
@@ -187,17 +191,24 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
     for (int base = 0; base < num_units; base += 32 * kCombineUnroll) {
       float acc[kCombineUnroll][8] = {};
 #pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r) {
-        if (src[r] == nullptr) continue;
-        int4 values[kCombineUnroll];
+      for (int r0 = 0; r0 < kMaxNvlPeers; r0 += kSourcesInFlight) {
+        int4 values[kSourcesInFlight][kCombineUnroll];
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {
-          const int i = base + u * 32 + lane;
-          if (i < num_units) values[u] = r == a.rank ? ld_nc_v4(src[r] + i) : ld_cg_v4(src[r] + i);
+        for (int s = 0; s < kSourcesInFlight; ++s) {
+          if (src[r0 + s] == nullptr) continue;
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < num_units) values[s][u] = r0 + s == a.rank ? ld_nc_v4(src[r0 + s] + i) : ld_cg_v4(src[r0 + s] + i);
+          }
         }
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u)
-          if (base + u * 32 + lane < num_units) add_bf16x8(acc[u], values[u]);
+        for (int s = 0; s < kSourcesInFlight; ++s) {
+          if (src[r0 + s] == nullptr) continue;
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u)
+            if (base + u * 32 + lane < num_units) add_bf16x8(acc[u], values[s][u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kCombineUnroll; ++u) {
