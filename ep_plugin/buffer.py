@@ -313,7 +313,8 @@ class Buffer:
         device = self._device()
         data, scales = V.split_x(x, device)
         is_tuple = isinstance(x, (tuple, list))
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        # No config given: the recommended one with the YAML config's `dispatch:` tuning (as sized).
+        config = self._dispatch_config_for(self._settings, self.group_size) if config is None else config
         self._check_config(config)
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
@@ -393,7 +394,7 @@ class Buffer:
                 raise ValueError(f"topk_weights: top-k must be in [1, {V.MAX_TOPK}], got {topk_weights.size(1)}")
         num_tokens = backend.handle_num_tokens(handle)
         bias_0, bias_1 = V.unpack_bias(bias, num_tokens, x.size(1), device)
-        config = self.get_combine_config(self.group_size) if config is None else config
+        config = self._combine_config_for(self._settings, self.group_size) if config is None else config
         self._check_config(config)
         x = x.contiguous()
         topk_weights = None if topk_weights is None else topk_weights.contiguous()

@@ -323,3 +323,40 @@ def test_mapping_errors_name_the_mapping():
 def test_to_dict_has_no_source():
     data = load_config(SHIPPED[0]).to_dict()
     assert "source" not in data and set(data) == {f.name for f in dataclasses.fields(EpConfig)} - {"source"}
+
+
+# ---- the `dispatch:` / `combine:` tuning reaches the calls -------------------------------------------
+TUNED = {"backend": "reference", "num_sms": 20,
+         "dispatch": {"nvl_chunked_send_tokens": 4, "nvl_chunked_recv_tokens": 128},
+         "combine": {"nvl_chunked_send_tokens": 5, "nvl_chunked_recv_tokens": 160}}
+
+
+def configs_seen_by_the_backend(rank: int, world_size: int, group) -> dict:
+    import torch
+    from ep_plugin import Buffer
+
+    buffer = Buffer.from_config(group, TUNED, explicitly_destroy=True)
+    seen = {}
+    for name in ("dispatch", "cached_dispatch", "combine"):
+        def recording(*args, _call=getattr(buffer._backend, name), _name=name):
+            seen[_name] = args[-1]  # every backend call takes the Config last
+            return _call(*args)
+        setattr(buffer._backend, name, recording)
+    topk_idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 2)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx)
+    buffer.dispatch(x, handle=handle)
+    buffer.combine(recv_x, handle)
+    buffer.destroy()
+    return {name: (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens)
+            for name, c in seen.items()}
+
+
+def test_yaml_tuning_is_what_dispatch_and_combine_use():
+    """The buffer is sized from the YAML tuning, so calls without a Config must use that tuning too."""
+    from ep_plugin.launch import parallel_launch
+
+    seen = parallel_launch(1, configs_seen_by_the_backend, backend="gloo")[0]
+    assert seen == {"dispatch": (20, 4, 128), "cached_dispatch": (20, 4, 128), "combine": (20, 5, 160)}
