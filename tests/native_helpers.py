@@ -131,7 +131,8 @@ def capture_graph(step: Callable[[], object]) -> Tuple[torch.cuda.CUDAGraph, obj
 def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> None:
     """One normal-mode case: layout, dispatch, combine and cached dispatch of `native` against `reference`.
 
-    `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst, bias (0-2),
+    `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst_slack (padding
+    rows past the most a rank can receive, T x R: num_worst_tokens = T x R + slack), bias (0-2),
     config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
     """
     x, topk_idx, weights = make_inputs(rank, R, case, seed)
@@ -151,7 +152,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
                             topk_weights=weights, expert_alignment=alignment, num_worst_tokens=num_worst,
                             config=config)
 
-    num_worst = case.get("num_worst", 0)
+    num_worst = case["T"] * R + case["num_worst_slack"] if "num_worst_slack" in case else 0
     poison_allocator()
     got = dispatch(native, got_layout, num_worst)
     want = dispatch(reference, want_layout, 0)

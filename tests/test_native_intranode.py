@@ -33,8 +33,8 @@ def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: fl
 
 
 CASES = NORMAL_MODE_CASES + (
-    [dict(name="num_worst", T=256, H=4096, K=8, E=64, num_worst=1024),
-       dict(name="num_worst_fp8", T=256, H=7168, K=8, E=64, num_worst=600, fp8=True),
+    [dict(name="num_worst", T=256, H=4096, K=8, E=64, num_worst_slack=512),
+       dict(name="num_worst_fp8", T=256, H=7168, K=8, E=64, num_worst_slack=88, fp8=True),
        dict(name="small_ring", T=700, H=4096, K=8, E=64, config=Config(24, 2, 16), combine_config=Config(24, 2, 16)),
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
        dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
