@@ -62,13 +62,9 @@ def gpus_shared_by_ranks() -> int:
     NOTE: without MPS, kernels of different processes never run at the same time on one GPU, so two
     ranks whose kernels wait for each other on a shared GPU would only advance by time slices."""
     value = os.environ.get(RANKS_PER_GPU_ENV, "1")
-    try:
-        ranks = int(value)
-    except ValueError:
-        raise ValueError(f"{RANKS_PER_GPU_ENV} must be a positive int, got {value!r}") from None
-    if ranks < 1:
+    if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{RANKS_PER_GPU_ENV} must be a positive int, got {value!r}")
-    return ranks
+    return int(value)
 
 
 def rank_slots() -> int:
