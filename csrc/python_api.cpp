@@ -38,6 +38,18 @@ void get_dispatch_layout(uintptr_t topk_idx, int num_tokens, int num_topk, int n
   launch_dispatch_layout(args, as_stream(stream));
 }
 
+void gather_sum_rows(uintptr_t rows, uintptr_t index, uintptr_t out, int64_t num_out_rows, int num_slots,
+                     int hidden, int num_sms, uintptr_t stream) {
+  GatherSumArgs args{};
+  args.rows = pointer<const uint8_t>(rows, "rows", false, 16);
+  args.index = pointer<const int32_t>(index, "index", num_out_rows > 0 && num_slots > 0);
+  args.out = pointer<uint8_t>(out, "out", num_out_rows > 0, 16);
+  args.num_out_rows = num_out_rows;
+  args.num_slots = num_slots;
+  args.hidden = hidden;
+  launch_gather_sum_rows(args, num_sms, as_stream(stream));
+}
+
 void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_expert,
                     uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int expert_alignment,
                     int num_worst_tokens, uintptr_t send_pos, uintptr_t recv_rank_offsets, uintptr_t src_num_tokens,
@@ -153,6 +165,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
         py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
         py::arg("stream"));
+
+  m.def("gather_sum_rows", &gather_sum_rows, py::arg("rows"), py::arg("index"), py::arg("out"),
+        py::arg("num_out_rows"), py::arg("num_slots"), py::arg("hidden"), py::arg("num_sms"), py::arg("stream"),
+        "out[n] = sum of rows[index[n, s]] over s with index >= 0 (bf16 rows, fp32 sums).");
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
       .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),

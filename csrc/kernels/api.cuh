@@ -20,6 +20,16 @@ struct LayoutArgs {
 };
 void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream);
 
+// ---- gather_sum_rows (permute.cu) ---------------------------------------------------------------
+struct GatherSumArgs {
+  const void* rows;        // [M, hidden] bf16
+  const int32_t* index;    // [num_out_rows, num_slots]: a row of `rows`, or -1 (skipped)
+  void* out;               // [num_out_rows, hidden] bf16: the sum of the indexed rows (fp32 inside)
+  int64_t num_out_rows;
+  int num_slots, hidden;
+};
+void launch_gather_sum_rows(const GatherSumArgs& args, int num_sms, cudaStream_t stream);
+
 namespace intranode {
 
 // ---- notify (intranode_notify.cu) ---------------------------------------------------------------
