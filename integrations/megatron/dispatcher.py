@@ -9,11 +9,13 @@ Data flow for one MoE layer (T local tokens, E experts, W = expert-TP x EP ranks
     token_dispatch        Buffer.get_dispatch_layout + Buffer.dispatch: received rows [N, H] (each
                           token once per rank, ordered by source rank, then source token), their
                           local expert ids and weights [N, K].
-    dispatch_postprocess  local multi-hot map [N, E_local] -> Megatron's permute (TransformerEngine's
-                          fused kernel when `moe_permute_fusion` is on): rows grouped by local
-                          expert [M, H], their probs [M], tokens_per_expert [E_local]; with router
-                          padding each expert's rows are padded to the quantization alignment.
-    combine_preprocess    Megatron's unpermute: expert outputs summed back per received row [N, H].
+    dispatch_postprocess  local multi-hot map [N, E_local] -> rows grouped by local expert [M, H] in
+                          Megatron's permute order, their probs [M], tokens_per_expert [E_local]; with
+                          router padding each expert's rows are padded to the quantization alignment.
+                          TransformerEngine's fused permute when `moe_permute_fusion` is on, else
+                          ep_plugin.permute (a gather; its backward sums without atomics).
+    combine_preprocess    the reverse: expert outputs summed back per received row [N, H] (TE's fused
+                          unpermute, or ep_plugin.permute's gather-and-sum kernel).
     token_combine         Buffer.combine: each token's rows summed over the ranks it went to [T, H].
     combine_postprocess   the input's shape, plus the overlapped shared experts' output.
 
@@ -36,6 +38,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ep_plugin.permute import ExpertMajorOrder, permute_rows, unpermute_rows
 from ep_plugin.tuning import MAX_TOPK
 
 from . import _compat
@@ -181,6 +184,7 @@ class EpPluginTokenDispatcher(MoETokenDispatcher):
                              f"multiple of 8")
         self.buffer = get_buffer(self.tp_ep_group, hidden)
         self._state: Optional[_DispatchState] = None
+        self._order: Optional[ExpertMajorOrder] = None  # the non-fused permutation, until combine_preprocess
         self._topk_idx: Optional[torch.Tensor] = None
         self._hidden_dtype: Optional[torch.dtype] = None
         self._warned_dtype = False
@@ -305,19 +309,29 @@ class EpPluginTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("dispatch_postprocess called without token_dispatch")
         routing, local_probs = topk_to_local_multihot(state.recv_topk_idx, probs, self.num_local_experts)
         routing, counts = self._router_padding(routing, list(state.recv_counts))
-        self._routing_local = routing
-        self._hidden_shape_before_permute = hidden_states.shape
-        permuted, permuted_probs, self._reversed_mapping, self._pad_offsets, tokens_per_expert = _compat.permute(
-            hidden_states, routing, local_probs, sum(counts), self.permute_fusion,
-            torch.tensor(counts, dtype=torch.long), moe_utils.get_align_size_for_quantization(self.config))
+        if self.permute_fusion:
+            self._routing_local = routing
+            self._hidden_shape_before_permute = hidden_states.shape
+            permuted, permuted_probs, self._reversed_mapping, self._pad_offsets, tokens_per_expert = _compat.permute(
+                hidden_states, routing, local_probs, sum(counts), True, torch.tensor(counts, dtype=torch.long),
+                moe_utils.get_align_size_for_quantization(self.config))
+        else:
+            self._order = ExpertMajorOrder.from_routing(routing, sum(counts))
+            permuted = permute_rows(hidden_states, self._order)
+            permuted_probs = self._order.permute_like_routing(local_probs)
+            tokens_per_expert = torch.tensor(counts, dtype=torch.long)
         if getattr(self.config, "moe_router_dtype", None) == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, self._tokens_per_expert_for_experts(tokens_per_expert, permuted), permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Expert outputs `[M, H]` -> one row per received row `[N, H]` (the experts applied the probs)."""
+        if self._order is not None:
+            output = unpermute_rows(hidden_states, self._order)
+            self._order = None
+            return output
         output = _compat.unpermute(hidden_states, self._reversed_mapping, self._hidden_shape_before_permute,
-                                   self._routing_local, self.permute_fusion, self._pad_offsets)
+                                   self._routing_local, True, self._pad_offsets)
         self._reversed_mapping = self._routing_local = self._pad_offsets = None
         return output
 
