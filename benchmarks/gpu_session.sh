@@ -15,7 +15,7 @@
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
-#   tuning     two ring/chunk settings
+#   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
@@ -111,8 +111,8 @@ for s in $STAGES; do
       bench fp8_sms16 --num-sms 16 --dtype fp8
       ;;
     tuning)  # ring and chunk sizes (dispatch and combine alike), 24 SMs
-      for pair in "4 128" "16 512"; do
-        set -- $pair
+      for pair in ${TUNING_PAIRS:-8:256 16:512}; do
+        set -- ${pair/:/ }
         printf 'dispatch: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\ncombine: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\n' \
           "$1" "$2" "$1" "$2" > "/tmp/tuning_$1_$2.yaml"
         bench "tuning_send$1_recv$2" --config "/tmp/tuning_$1_$2.yaml" --num-sms 24 --no-baseline

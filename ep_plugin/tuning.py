@@ -137,9 +137,10 @@ class Config:
 
 
 def _default_config(num_sms: int, num_ranks: int) -> Config:
-    # A sub-ring holds two publication chunks, so senders keep writing while receivers drain.
+    # A sub-ring holds two publication chunks, so senders keep writing while receivers drain. Small
+    # rings measured fastest at 2 ranks (4/128 against 8/256 and 16/512: docs/benchmarks.md, ring sizes).
     if num_ranks <= 2:
-        return Config(num_sms, 8, 256, 6, 128)
+        return Config(num_sms, 4, 128, 6, 128)
     if num_ranks <= NUM_MAX_NVL_PEERS:
         return Config(num_sms, 6, 128, 6, 128)
     return Config(num_sms, 6, 128, 16, 256)
