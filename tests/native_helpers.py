@@ -134,7 +134,20 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst_slack (padding
     rows past the most a rank can receive, T x R: num_worst_tokens = T x R + slack), bias (0-2),
     config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
+
+    Every rank makes every call of the case whatever its checks find; failed checks are raised at
+    the end. (A rank that stopped at its first failed check would skip calls its peers still make,
+    and they would time out in the next kernel, hiding the real failure: run_each goes on to the
+    next case.)
     """
+    failures = []
+
+    def check(what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except AssertionError as error:
+            failures.append(f"{what}: {error}")
+
     x, topk_idx, weights = make_inputs(rank, R, case, seed)
     E = case["E"]
     alignment = case.get("alignment", 1)
@@ -144,7 +157,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     want_layout = reference.get_dispatch_layout(topk_idx, E)
     for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
                               "is_token_in_rank")):
-        assert_same(name, got_layout[i], want_layout[i])  # per node: None inside one node, on both
+        check(name, lambda: assert_same(name, got_layout[i], want_layout[i]))  # per node: None in one node
 
     def dispatch(buf, layout, num_worst: int):
         return buf.dispatch(x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
@@ -159,15 +172,19 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     want_x = want[0]
     n = (want_x[0] if isinstance(want_x, tuple) else want_x).size(0)
     got_rows = (got[0][0] if isinstance(got[0], tuple) else got[0]).size(0)
-    assert got_rows == (num_worst if num_worst else n), f"rows {got_rows}, received {n}, num_worst {num_worst}"
-    assert_same("recv_x", rows(got[0], n), want_x)
-    assert_same("recv_topk_idx", got[1][:n], want[1])
-    assert_same("recv_topk_weights", None if got[2] is None else got[2][:n], want[2])
-    if num_worst:
-        assert got[3] == [], "num_worst_tokens > 0 returns an empty per-expert list"
-        assert bool((got[1][n:] == -1).all()), "padding rows must have recv_topk_idx == -1"
-    else:
-        assert got[3] == want[3], f"per-expert counts {got[3]} != {want[3]}"
+
+    def check_dispatch() -> None:
+        assert got_rows == (num_worst if num_worst else n), f"rows {got_rows}, received {n}, num_worst {num_worst}"
+        assert_same("recv_x", rows(got[0], n), want_x)
+        assert_same("recv_topk_idx", got[1][:n], want[1])
+        assert_same("recv_topk_weights", None if got[2] is None else got[2][:n], want[2])
+        if num_worst:
+            assert got[3] == [], "num_worst_tokens > 0 returns an empty per-expert list"
+            assert bool((got[1][n:] == -1).all()), "padding rows must have recv_topk_idx == -1"
+        else:
+            assert got[3] == want[3], f"per-expert counts {got[3]} != {want[3]}"
+
+    check("dispatch", check_dispatch)
 
     # Combine: random expert outputs; padding rows hold garbage that must be ignored.
     gen = torch.Generator().manual_seed(seed * 7 + rank)
@@ -185,16 +202,39 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     poison_allocator()
     got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
     want_c = reference.combine(expert_out[:n], want[4], topk_weights=want[2], bias=bias)
-    torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
-    if weights is None:
-        assert got_c[1] is None and want_c[1] is None
-    else:
-        torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
+    # Across nodes with several ranks per node, each node's partial sum is rounded to bf16 before the
+    # network leg (docs/internode.md, as DeepEP): up to 2^-8 of each partial's magnitude, bounded by
+    # the sum of the copies' magnitudes (a collective call: every rank of such a group makes it).
+    info = native._info
+    abs_sum = None
+    if not info.is_intranode and info.ranks_per_node > 1:
+        abs_sum = reference.combine(expert_out[:n].abs(), want[4])[0].float()
+
+    def check_combine() -> None:
+        if abs_sum is None:
+            torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+        else:
+            error = (got_c[0].float() - want_c[0].float()).abs()
+            bound = 1e-2 + 1e-2 * want_c[0].float().abs() + 2.0 ** -7 * abs_sum
+            assert bool((error <= bound).all()), \
+                f"combined_x: {int((error > bound).sum())} elements beyond the two-stage bf16 bound"
+        if weights is None:
+            assert got_c[1] is None and want_c[1] is None
+        else:
+            torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
+
+    check("combine", check_combine)
 
     # Cached dispatch of new data with the same layout (and the same or another ring size).
     x2, _, _ = make_inputs(rank, R, case, seed + 99991)
     poison_allocator()
     got2 = native.dispatch(x2, handle=got[4], config=case.get("cached_config", config))
     want2 = reference.dispatch(x2, handle=want[4])
-    assert_same("cached recv_x", rows(got2[0], n), want2[0])
-    assert got2[1:5] == (None, None, None, None)
+
+    def check_cached() -> None:
+        assert_same("cached recv_x", rows(got2[0], n), want2[0])
+        assert got2[1:5] == (None, None, None, None)
+
+    check("cached dispatch", check_cached)
+    if failures:
+        raise AssertionError("\n".join(failures))
