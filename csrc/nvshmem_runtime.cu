@@ -151,6 +151,13 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
   int num_sms = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
   num_blocks_ = num_sms;  // one resident block per SM (the fused send + receive needs all of them)
+  // NOTE: with fewer than one block per SM, a fused launch of num_sms blocks could never have every
+  // block resident and would end in a device timeout; say so here instead.
+  const int dispatch_per_sm = low_latency::dispatch_blocks_per_sm();
+  const int combine_per_sm = low_latency::combine_blocks_per_sm();
+  EP_HOST_ASSERT(dispatch_per_sm >= 1 && combine_per_sm >= 1,
+                 "low-latency kernels of " << low_latency::kThreads << " threads do not fit on an SM (blocks per SM: "
+                                           << dispatch_per_sm << " dispatch, " << combine_per_sm << " combine)");
 
   memory_.open(rank, num_ranks, num_rdma_bytes, low_latency::kHeaderBytes, unique_id, "a low-latency Buffer");
   watchdog_ = std::thread([this] { watch_for_device_errors(); });

@@ -156,4 +156,10 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
+int combine_blocks_per_sm() {
+  int blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, combine_kernel, kThreads, 0));
+  return blocks;
+}
+
 }  // namespace ep_plugin::low_latency

@@ -306,4 +306,10 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
+int dispatch_blocks_per_sm() {
+  int blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dispatch_kernel, kThreads, 0));
+  return blocks;
+}
+
 }  // namespace ep_plugin::low_latency

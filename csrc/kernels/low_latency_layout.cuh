@@ -218,6 +218,11 @@ struct CombineArgs {
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
+// Blocks of each kernel that one SM holds at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor):
+// the runtime launches one block per SM and a fused launch needs all of them resident together.
+int dispatch_blocks_per_sm();
+int combine_blocks_per_sm();
+
 }  // namespace ep_plugin::low_latency
 
 // ---- device helpers shared by low_latency_dispatch.cu and low_latency_combine.cu ----------------

@@ -196,6 +196,7 @@ class NativeBackend(Backend):
         self._runtime = None
         self._ll = None
         self._ll_parity = 0
+        self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0
         self._net_geometry = {_NET_DISPATCH: None, _NET_COMBINE: None}
@@ -241,6 +242,16 @@ class NativeBackend(Backend):
         logger.info("ep_plugin rank %d: low-latency symmetric buffer of %d bytes; peers over NVLink: %s, over the "
                     "network: %s", self.info.rank, num_rdma_bytes, [r for r, d in enumerate(direct) if d],
                     [r for r, d in enumerate(direct) if not d])
+        # NOTE: a fused send + receive launch finishes only once every block of every rank's launch has
+        # been resident at the same time (each block's receive waits for blocks of all ranks), and it
+        # launches one block per SM the process sees. Ranks that share a GPU (CUDA MPS) have no such
+        # guarantee: MPS limits each client's SMs but reserves none. A send launch never waits, so two
+        # launches (send, then receive) need no co-residency; that costs one launch per call.
+        sharing = _ranks_on_this_gpu(self.info)
+        self._ll_split = sharing > 1
+        if self._ll_split:
+            logger.info("ep_plugin rank %d: %d ranks share this GPU; low-latency send and receive run as separate "
+                        "launches", self.info.rank, sharing)
         return runtime
 
     def _start_node_runtime(self, num_nvl_bytes: int):
@@ -685,14 +696,24 @@ class NativeBackend(Backend):
                              cumulative_local_expert_recv_stats=_address(cumulative_local_expert_recv_stats),
                              stream=self._stream())
 
-        send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
-        launch(send if return_recv_hook else send | recv)
+        self._launch_phases(launch, return_recv_hook)
         handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                   num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
                                   recv_layout=recv_layout)
-        hook = _receive_hook(lambda: launch(recv)) if return_recv_hook else None
+        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
         return recv_x, recv_count, handle, hook
+
+    def _launch_phases(self, launch: Callable[[int], None], return_recv_hook: bool) -> None:
+        """Send only (the hook receives), send + receive in one launch, or as two when ranks share the GPU."""
+        send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
+        if return_recv_hook:
+            launch(send)
+        elif self._ll_split:
+            launch(send)
+            launch(recv)
+        else:
+            launch(send | recv)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out):
         runtime = self._low_latency()
@@ -716,9 +737,8 @@ class NativeBackend(Backend):
                             topk_idx=_address(topk_idx), topk_weights=_address(topk_weights), num_tokens=T,
                             num_topk=K, out=_address(combined), stream=self._stream())
 
-        send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
-        launch(send if return_recv_hook else send | recv)
-        hook = _receive_hook(lambda: launch(recv)) if return_recv_hook else None
+        self._launch_phases(launch, return_recv_hook)
+        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
         return combined, hook
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -791,6 +811,15 @@ def source_order(final_src_node: torch.Tensor, recv_rank_offsets: torch.Tensor, 
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = index
     return perm, inv_perm
+
+
+def _ranks_on_this_gpu(info: GroupInfo) -> int:
+    """Ranks of the group (this one included) that run on this rank's GPU (several only under CUDA MPS)."""
+    props = torch.cuda.get_device_properties(info.device)
+    key = str(getattr(props, "uuid", "") or "") or f"{os.uname().nodename}:{info.device.index}"
+    keys: List[Optional[str]] = [None] * info.num_ranks
+    dist.all_gather_object(keys, key, group=info.group)
+    return keys.count(key)
 
 
 def _local_experts(num_experts: int, num_ranks: int) -> int:
