@@ -44,7 +44,7 @@ __device__ void send_channel(const CombineArgs& a, int ch) {
       const int64_t row = static_cast<int64_t>(first_row) + i;
       if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = static_cast<int32_t>(row);
       if (row < a.capacity) {
-        warp_copy<true>(staged + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
+        warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
                         row_bytes);
         if (slot.num_topk > 0)
           warp_copy_words<true>(staged + slot.weights_offset(), a.partial_weights + row * slot.num_topk,

@@ -50,7 +50,7 @@ __device__ void send_channel(const DispatchArgs& a, int ch) {
         __syncwarp();
         uint8_t* staged = a.c.ptr.area + layout.send_slot_offset(ch, dst, s);
         if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = token;
-        warp_copy<true>(staged + slot.row_offset(),
+        warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(),
                         static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * slot.row_bytes, slot.row_bytes);
         if (a.x_scales != nullptr)
           warp_copy_words<true>(staged + slot.scales_offset(), a.x_scales + static_cast<int64_t>(token) * slot.num_scales,
@@ -98,7 +98,7 @@ __device__ void receive_channel(const DispatchArgs& a, int ch) {
       const uint8_t* ring_slot = a.c.ptr.area + layout.recv_slot_offset(ch, src, static_cast<int>(index % S));
       const int64_t row = static_cast<int64_t>(first_row) + i;
       if (row < a.capacity) {  // past capacity only after a reported overflow: consume, drop
-        warp_copy<false>(static_cast<uint8_t*>(a.recv_x) + row * slot.row_bytes, ring_slot + slot.row_offset(),
+        warp_copy_bytes<Load::kL2Only>(static_cast<uint8_t*>(a.recv_x) + row * slot.row_bytes, ring_slot + slot.row_offset(),
                          slot.row_bytes);
         if (a.recv_x_scales != nullptr)
           warp_copy_words<false>(a.recv_x_scales + row * slot.num_scales, ring_slot + slot.scales_offset(),

@@ -276,6 +276,7 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream);
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "../common/copy.cuh"
 #include "../common/device_status.cuh"
 #include "../common/ptx.cuh"
 
@@ -290,17 +291,6 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t
     if (value >= target) return value;
     deadline.check(kind, peer, static_cast<int64_t>(target), static_cast<int64_t>(value));
   }
-}
-
-// Warp copy of `bytes` (a multiple of 16) between 16-byte-aligned addresses.
-// kReadOnlySource: `src` is a user input nobody writes during the kernel (non-coherent path);
-// otherwise data a peer delivered during this kernel: read through L2 only.
-template <bool kReadOnlySource>
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes) {
-  int4* d = static_cast<int4*>(dst);
-  const int4* s = static_cast<const int4*>(src);
-  const int64_t units = bytes / 16;
-  for (int64_t i = lane_id(); i < units; i += 32) d[i] = kReadOnlySource ? ld_nc_v4(s + i) : ld_cg_v4(s + i);
 }
 
 // Warp copy of `bytes` (a multiple of 4) between 4-byte-aligned addresses.

@@ -1,13 +1,12 @@
 // Pieces shared by the intranode dispatch and combine kernels.
 #pragma once
 
+#include "../common/copy.cuh"
 #include "../common/device_status.cuh"
 #include "../common/ptx.cuh"
 #include "buffer_layout.cuh"
 
 namespace ep_plugin::intranode {
-
-constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane before the first store
 
 __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank) {
   return reinterpret_cast<Header*>(peer_buffers[rank]);
@@ -31,24 +30,6 @@ __device__ __forceinline__ void copy_row_to_many(const int4* src, uint8_t* const
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r)
         if (dst[r] != nullptr) st_na_v4(reinterpret_cast<int4*>(dst[r]) + i, values[u]);
-    }
-  }
-}
-
-// One warp copies a row that a peer wrote into this rank's ring.
-__device__ __forceinline__ void copy_row_from_ring(const int4* src, int4* dst, int num_units) {
-  const int lane = lane_id();
-  for (int base = 0; base < num_units; base += 32 * kCopyUnroll) {
-    int4 values[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < num_units) values[u] = ld_cg_v4(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < num_units) st_na_v4(dst + i, values[u]);
     }
   }
 }

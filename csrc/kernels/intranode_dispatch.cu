@@ -147,7 +147,7 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
   const int row = ld_cg_s32(&meta->row);
   const int4* payload = reinterpret_cast<const int4*>(slot + kSlotMetaBytes);
   int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes);
-  copy_row_from_ring(payload, out_row, a.row_bytes / 16);
+  warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
   const float* scales = reinterpret_cast<const float*>(slot + kSlotMetaBytes + a.row_bytes);
   for (int i = lane; i < a.num_scales; i += 32)
     a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = ld_cg_f32(scales + i);
