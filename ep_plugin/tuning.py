@@ -18,10 +18,10 @@ WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring
 SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
 NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
 
-# Low-latency mode (csrc/kernels/low_latency_layout.cuh): one message per (token, expert) = 16-byte
-# header + payload; a signal header of two rounds x 2 x 65536 u64 words + 128 bytes of state, each
-# round's header rounded up to 4 KiB.
-LL_MSG_HEADER_BYTES = 16
+# Low-latency mode (csrc/kernels/low_latency_layout.cuh): a token's payload crosses to a rank once,
+# each (token, expert) message is a 4-byte index entry; a signal header of two rounds x 2 x 65536 u64
+# words + 128 bytes of state, each round's header rounded up to 4 KiB.
+LL_INDEX_ENTRY_BYTES = 4
 LL_MAX_TOPK = MAX_TOPK
 LL_MAX_EXPERTS = 65536
 LL_AREA_ALIGN = 128
@@ -162,26 +162,23 @@ def low_latency_payload_bytes(hidden: int) -> int:
     return max(_align(hidden * 2, 16), fp8)
 
 
-def low_latency_msg_bytes(hidden: int) -> int:
-    """One low-latency dispatch message: 16-byte header + payload."""
-    return LL_MSG_HEADER_BYTES + low_latency_payload_bytes(hidden)
-
-
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                    num_ranks: int, num_experts: int) -> int:
     """Symmetric-buffer bytes for low-latency mode (two rounds in flight, as DeepEP allows).
 
-    A fixed signal header, then per round (T_max tokens, E experts):
-        dispatch receive   E * T_max messages (each (local expert, source rank) region holds T_max;
-                           combine sends from it, it is the zero-copy buffer)
+    A fixed signal header, then per round (T_max tokens, E experts, R ranks):
+        dispatch receive   the larger of: R * T_max token payloads + E * T_max index entries (the
+                           dispatch), and E * T_max bf16 rows (the combine sends from it; it is the
+                           zero-copy buffer)
         combine receive    T_max * 32 bf16 rows (token, top-k slot)
-        dispatch send      T_max payloads + T_max * 32 staged messages (network peers)
+        dispatch send      T_max payloads + T_max * 32 staged index entries (network peers)
     """
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
-    T, msg = num_max_dispatch_tokens_per_rank, low_latency_msg_bytes(hidden)
-    dispatch_recv = _align(num_experts * T * msg, LL_AREA_ALIGN)
+    T, payload = num_max_dispatch_tokens_per_rank, low_latency_payload_bytes(hidden)
+    token_recv = _align(num_ranks * T * payload, LL_AREA_ALIGN)
+    recv_index = _align(num_experts * T * LL_INDEX_ENTRY_BYTES, LL_AREA_ALIGN)
+    dispatch_recv = max(token_recv + recv_index, _align(num_experts * T * hidden * 2, LL_AREA_ALIGN))
     combine_recv = _align(T * LL_MAX_TOPK * hidden * 2, LL_AREA_ALIGN)
-    dispatch_send = _align(T * low_latency_payload_bytes(hidden), LL_AREA_ALIGN) + \
-        _align(T * LL_MAX_TOPK * msg, LL_AREA_ALIGN)
+    dispatch_send = _align(T * payload, LL_AREA_ALIGN) + _align(T * LL_MAX_TOPK * LL_INDEX_ENTRY_BYTES, LL_AREA_ALIGN)
     return LL_HEADER_BYTES + 2 * (dispatch_recv + combine_recv + dispatch_send)

@@ -32,14 +32,14 @@ __device__ void send_row(const CombineArgs& a, int local, int slot) {
   uint64_t* signal = a.round.combine_signals + a.rank * layout.num_local_experts() + local;
   uint8_t* peer_dst = static_cast<uint8_t*>(nvshmem_ptr(dst, src));
   if (peer_dst != nullptr) {
-    warp_copy<true>(peer_dst, row, row_bytes);
+    warp_copy_bytes<Load::kReadOnly>(peer_dst, row, row_bytes);
     publish_direct(signal, src);
   } else {
     // A network peer: the put needs a symmetric source. This round's dispatch_recv area, viewed as
     // [E_local][R * T_max][H] bf16, is free once the dispatch's receive has copied it out (with
     // zero_copy, x is that area).
     uint8_t* staged = a.round.data + layout.dispatch_recv_offset() + index * row_bytes;
-    if (!a.x_is_staging) warp_copy<true>(staged, row, row_bytes);
+    if (!a.x_is_staging) warp_copy_bytes<Load::kReadOnly>(staged, row, row_bytes);
     put_with_signal(dst, staged, row_bytes, signal, src);
   }
 }
@@ -55,18 +55,21 @@ __device__ void combine_send(const CombineArgs& a) {
         announce_count(a.round.combine_signals + a.rank * num_local + local,
                        static_cast<uint32_t>(regions[src] & 0xffffffff), src);
     }
-    for (int src = 0; src < num_ranks; ++src) {
-      const int64_t region = regions[src];
-      const int begin = static_cast<int>(region >> 32), count = static_cast<int>(region & 0xffffffff);
-      for (int i = warp; i < count; i += kWarps) send_row(a, local, begin + i);
-    }
+    // The sources' regions fill slots [0, total) one after another; warps take slots in turn.
+    const int64_t last = regions[num_ranks - 1];
+    const int total = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
+    for (int slot = warp; slot < total; slot += kWarps) send_row(a, local, slot);
   }
 }
 
 // ---- receive ------------------------------------------------------------------------------------
 
+constexpr int kReduceBatch = 8;  // top-k rows loaded before the first is summed
+
 // out[token] = sum over k (in order) of weight * row, each product and sum rounded to fp32 as the
 // reference computes it (no FMA contraction), then rounded to bf16.
+// NOTE: the rows of a batch are loaded before any is summed (the loads are volatile, so the
+// compiler keeps their order); the sum itself stays in k order.
 __device__ void reduce_token(const CombineArgs& a, int token) {
   const LowLatencyLayout& layout = a.layout;
   const int num_topk = a.num_topk, num_experts = layout.num_experts;
@@ -80,17 +83,30 @@ __device__ void reduce_token(const CombineArgs& a, int token) {
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int k = 0; k < num_topk; ++k) {
-      const int64_t id = __ldg(ids + k);
-      if (id < 0 || id >= num_experts) continue;
-      const float weight = __ldg(weights + k);
-      const int4 packed = ld_cg_v4(reinterpret_cast<const int4*>(rows + k * row_bytes) + u);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    for (int first = 0; first < num_topk; first += kReduceBatch) {
+      int4 packed[kReduceBatch];
+      float weight[kReduceBatch];
+      uint32_t loaded = 0;  // bit j: entry first + j is a valid expert and its row is in packed[j]
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weight, f.x));
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weight, f.y));
+      for (int j = 0; j < kReduceBatch; ++j) {
+        const int k = first + j;
+        if (k >= num_topk) continue;
+        const int64_t id = __ldg(ids + k);
+        if (id < 0 || id >= num_experts) continue;
+        loaded |= 1u << j;
+        weight[j] = __ldg(weights + k);
+        packed[j] = ld_cg_v4(reinterpret_cast<const int4*>(rows + k * row_bytes) + u);
+      }
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        if (!(loaded & (1u << j))) continue;
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(pairs[i]);
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weight[j], f.x));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weight[j], f.y));
+        }
       }
     }
     out[u] = to_bf16x8(acc);

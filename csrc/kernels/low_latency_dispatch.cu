@@ -1,18 +1,23 @@
 // Low-latency dispatch: every (token, selected expert) pair becomes one message in that expert's
-// region on its rank; the receiver packs each expert's messages into its slots of recv_x.
+// region on its rank; the receiver packs each expert's messages into its slots of recv_x. A
+// message is an index entry (t * kMaxTopk + k) in the region's slot; the token's payload crosses
+// to a rank once, however many of its experts live there.
 //
 // Send (block b: tokens b, b + B, ...; counts of experts e = b mod B):
-//   1. the whole block casts token t once into this round's token payload (FP8 with scales, or bf16);
-//   2. warp w sends the message of top-k column k = w (w + kWarps, ...) to expert e's region
-//      (e, this rank) on rank e / E_local, at slot = number of earlier (token, k) entries that
-//      selected e (so a region holds its tokens in (token, k) order), and adds 1 to the region's
-//      signal word: straight stores + release over NVLink, put-with-signal over the network;
-//   3. for its experts, the block counts this rank's messages and announces the count.
+//   1. for its experts, the block counts this rank's messages and announces the count;
+//   2. the whole block casts token t once into this round's token payload (FP8 with scales, or bf16)
+//      and counts, for each top-k column k, the earlier entries of topk_idx that select the same
+//      expert: the slot of (t, k) in its region (so a region holds its tokens in (token, k) order);
+//   3. per destination rank of the token, one warp stores the payload there once, then the index
+//      entry of each column k whose expert e lives there into region (e, this rank) at its slot,
+//      and adds 1 to that region's signal word: straight stores + release over NVLink, puts (the
+//      entries with their signals) over the network.
 // Receive (block b: local experts b, b + B, ...):
 //   warp 0 waits until the word of every source rank is complete (count announced, that many
 //   messages arrived), resets it, and lays the sources out one after another (slot order: source
-//   rank, then token, then k, as the reference backend defines it); then all warps copy the
-//   messages into recv_x / recv_scales and record where each came from (for combine).
+//   rank, then token, then k, as the reference backend defines it); then the warps take the slots
+//   in turn, copy each slot's payload into recv_x / recv_scales and record where it came from (for
+//   combine).
 //
 // Without a hook both phases run in one launch (every block resident: num_blocks <= SMs), so a
 // block only waits after it has sent everything it owns.
@@ -106,114 +111,184 @@ __device__ void copy_token_bf16(const DispatchArgs& a, int token, uint8_t* paylo
 }
 
 // ---- routing ------------------------------------------------------------------------------------
-// Entries of topk_idx (row-major, before `end`) equal to `expert`. Warp-collective.
-__device__ __forceinline__ int count_entries(const int64_t* topk_idx, int64_t end, int64_t expert) {
-  int count = 0;
-  for (int64_t i = lane_id(); i < end; i += 32) count += __ldg(topk_idx + i) == expert ? 1 : 0;
-  return __reduce_add_sync(0xffffffffu, count);
-}
-
 __device__ __forceinline__ bool is_expert(int64_t id, int num_experts) { return id >= 0 && id < num_experts; }
 
-// ---- send ---------------------------------------------------------------------------------------
-__device__ void report_region_full(const DispatchArgs& a, int expert, int dst, int slot) {
-  if (lane_id() == 0)
-    record_error(a.status, a.error_claim, kErrTooManyRecvTokens, kOpLowLatencyDispatch, 0, a.rank, dst, expert,
-                 static_cast<int>(threadIdx.x / 32), a.layout.num_max_tokens, slot + 1);
+constexpr int kCountsPerPass = 1024;  // experts one block counts per pass over topk_idx
+
+// Announces how many messages this rank sends to each expert e = blockIdx.x (mod num_blocks).
+// Block-wide: one pass over topk_idx per kCountsPerPass experts, counted in shared memory.
+// NOTE: a count may land before its messages: the receiver compares arrivals with it.
+__device__ void announce_expert_counts(const DispatchArgs& a) {
+  __shared__ int counts[kCountsPerPass];
+  const LowLatencyLayout& layout = a.layout;
+  const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
+  const int64_t num_entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  const int block = blockIdx.x, stride = a.num_blocks;
+  for (int first = 0; first * stride + block < num_experts; first += kCountsPerPass) {
+    for (int j = threadIdx.x; j < kCountsPerPass; j += kThreads) counts[j] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < num_entries; i += kThreads) {
+      const int64_t id = __ldg(a.topk_idx + i);
+      if (!is_expert(id, num_experts) || static_cast<int>(id) % stride != block) continue;
+      const int j = static_cast<int>(id) / stride - first;
+      if (j >= 0 && j < kCountsPerPass) atomicAdd(&counts[j], 1);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < kCountsPerPass && (first + j) * stride + block < num_experts; j += kThreads) {
+      const int expert = (first + j) * stride + block;
+      // Only a token that selects one expert twice can push a count past T_max; what is sent stops there.
+      const int count = min(counts[j], layout.num_max_tokens);
+      const int dst = expert / num_local, local = expert % num_local;
+      announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
+                     static_cast<uint32_t>(count), dst);
+    }
+    __syncthreads();  // counts[] is zeroed again by the next pass
+  }
 }
 
-// Sends the message (token, k) -> `expert` on `dst`. Warp-collective.
-__device__ void send_message(const DispatchArgs& a, const uint8_t* payload, int token, int k, int expert,
-                             int slot) {
+// slots[k] = the entries of topk_idx before (token, k) that select the same expert as (token, k):
+// the message's slot in its region, which keeps a region in (token, k) order. Block-wide; experts[]
+// holds the token's row, slots[] is zero on entry.
+__device__ void count_earlier_selections(const DispatchArgs& a, int token, const int64_t* experts, int* slots) {
+  const int num_topk = a.num_topk;
+  const int64_t row = static_cast<int64_t>(token) * num_topk;
+  for (int64_t i = threadIdx.x; i < row + num_topk; i += kThreads) {
+    const int64_t id = __ldg(a.topk_idx + i);
+    if (!is_expert(id, a.layout.num_experts)) continue;
+    for (int k = 0; k < num_topk; ++k)
+      if (experts[k] == id && i < row + k) atomicAdd(&slots[k], 1);
+  }
+}
+
+// ---- send ---------------------------------------------------------------------------------------
+// One lane: a region already holds T_max messages (only a token that selects one expert twice
+// gets here).
+__device__ void report_region_full(const DispatchArgs& a, int expert, int dst, int slot) {
+  record_error(a.status, a.error_claim, kErrTooManyRecvTokens, kOpLowLatencyDispatch, 0, a.rank, dst, expert,
+               static_cast<int>(threadIdx.x / 32), a.layout.num_max_tokens, slot + 1);
+}
+
+// Sends token `token` to rank `dst`, once, with an index entry and a signal for each of its
+// columns k >= first_k whose expert lives there. Warp-collective; lane k handles column k.
+// NVLink (or this rank): the payload is stored straight into dst's token_recv area (this rank's
+// receivers read it where the cast left it); then each column's index entry, then a release-add on
+// the word of (its expert, this rank). Network: the payload is put once, fenced, then each index
+// entry is put with its signal.
+__device__ void send_token_to_rank(const DispatchArgs& a, const uint8_t* payload, int token, int first_k, int dst,
+                                   const int64_t* experts, const int* slots) {
   const LowLatencyLayout& layout = a.layout;
+  const int lane = lane_id();
   const int num_local = layout.num_local_experts();
-  const int dst = expert / num_local, local = expert % num_local;
-  const int64_t payload_bytes = layout.used_payload_bytes(a.use_fp8);
-  uint8_t* recv_area = a.round.data + layout.dispatch_recv_offset();
-  uint8_t* dst_msg = recv_area + layout.recv_message_offset(local, a.rank, slot);  // symmetric address
+  uint8_t* round_data = a.round.data;  // symmetric addresses below
+  // This lane's column: an entry to deliver if its expert lives on dst and its slot fits.
+  const int k = lane;
+  bool deliver = false;
+  int local = 0, slot = 0;
+  if (k >= first_k && k < a.num_topk) {
+    const int64_t expert = experts[k];
+    if (is_expert(expert, layout.num_experts) && expert / num_local == dst) {
+      local = static_cast<int>(expert % num_local);
+      slot = slots[k];
+      deliver = slot < layout.num_max_tokens;
+      if (!deliver) report_region_full(a, static_cast<int>(expert), dst, slot);
+    }
+  }
+  const int32_t entry = token * kMaxTopk + k;
+  uint8_t* index_entry = round_data + layout.recv_index_offset(local, a.rank, slot);
   uint64_t* signal = a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank;
-  const MessageHeader header{token, k, {0, 0}};
-  uint8_t* peer_msg = static_cast<uint8_t*>(nvshmem_ptr(dst_msg, dst));
-  if (peer_msg != nullptr) {
-    if (lane_id() == 0) st_na_v4(reinterpret_cast<int4*>(peer_msg), *reinterpret_cast<const int4*>(&header));
-    warp_copy<false>(peer_msg + kMsgHeaderBytes, payload, payload_bytes);
-    publish_direct(signal, dst);
+  const int64_t payload_bytes = layout.used_payload_bytes(a.use_fp8);
+  uint8_t* peer_base = static_cast<uint8_t*>(nvshmem_ptr(round_data, dst));
+  if (peer_base != nullptr) {
+    if (dst != a.rank)
+      warp_copy_bytes<Load::kPlain>(peer_base + layout.token_recv_offset(a.rank, token), payload, payload_bytes);
+    if (deliver) *reinterpret_cast<int32_t*>(peer_base + (index_entry - round_data)) = entry;
+    // NOTE: the warp barrier orders every lane's payload stores before each lane's release, and
+    // the release (system scope) makes them and the lane's index entry visible before the add.
+    __syncwarp();
+    if (deliver) red_add_release_sys(reinterpret_cast<uint64_t*>(peer_base + (reinterpret_cast<uint8_t*>(signal) -
+                                                                              round_data)), 1);
+    __syncwarp();
   } else {
-    // A network peer: stage header + payload in symmetric memory, one staged message per (t, k).
-    uint8_t* staged = a.round.data + layout.staged_messages_offset() +
-                      (static_cast<int64_t>(token) * kMaxTopk + k) * layout.msg_bytes();
-    if (lane_id() == 0) *reinterpret_cast<int4*>(staged) = *reinterpret_cast<const int4*>(&header);
-    warp_copy<false>(staged + kMsgHeaderBytes, payload, payload_bytes);
-    put_with_signal(dst_msg, staged, kMsgHeaderBytes + payload_bytes, signal, dst);
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(round_data + layout.token_recv_offset(a.rank, token), payload,
+                             static_cast<size_t>(payload_bytes), dst);
+    // NOTE: the fence orders the payload's delivery before the index entries' (and their signals).
+    __syncwarp();
+    if (lane == 0) nvshmem_fence();
+    __syncwarp();
+    if (deliver) {
+      int32_t* staged = reinterpret_cast<int32_t*>(round_data + layout.staged_index_offset()) + entry;
+      *staged = entry;
+      __threadfence_system();  // the transport reads the staged entry from memory
+      nvshmem_putmem_signal_nbi(index_entry, staged, sizeof(int32_t), signal, 1, NVSHMEM_SIGNAL_ADD, dst);
+    }
+    __syncwarp();
   }
 }
 
 __device__ void dispatch_send(const DispatchArgs& a) {
+  __shared__ int64_t token_experts[kMaxTopk];
+  __shared__ int token_slots[kMaxTopk];
   const LowLatencyLayout& layout = a.layout;
-  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int warp = threadIdx.x / 32;
   const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
   const int num_topk = a.num_topk;
   uint8_t* payloads = a.round.data + layout.token_payloads_offset();
 
+  announce_expert_counts(a);
   for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
+    __syncthreads();  // the previous token's senders have read token_experts / token_slots
+    if (threadIdx.x < num_topk) {
+      token_experts[threadIdx.x] = __ldg(a.topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
+      token_slots[threadIdx.x] = 0;
+    }
     uint8_t* payload = payloads + static_cast<int64_t>(token) * layout.payload_bytes();
     if (a.use_fp8) {
       cast_token_fp8(a, token, payload);
     } else {
       copy_token_bf16(a, token, payload);
     }
-    // NOTE: every thread's part of the payload is written before any warp reads it to send.
     __syncthreads();
+    count_earlier_selections(a, token, token_experts, token_slots);
+    // NOTE: every thread's part of the payload is written, and every slot counted, before any warp
+    // reads them to send.
+    __syncthreads();
+    // Warp w serves the rank of column k = w (w + kWarps, ...) when k is that rank's first column.
     for (int k = warp; k < num_topk; k += kWarps) {
-      const int64_t expert = __ldg(a.topk_idx + static_cast<int64_t>(token) * num_topk + k);
+      const int64_t expert = token_experts[k];
       if (!is_expert(expert, num_experts)) continue;
-      const int slot = count_entries(a.topk_idx, static_cast<int64_t>(token) * num_topk + k, expert);
-      if (slot >= layout.num_max_tokens) {  // only a token that selects one expert twice gets here
-        report_region_full(a, static_cast<int>(expert), static_cast<int>(expert / num_local), slot);
-        continue;
-      }
-      send_message(a, payload, token, k, static_cast<int>(expert), slot);
-    }
-  }
-
-  // Counts: this block announces experts e = blockIdx.x (mod num_blocks), one warp each.
-  const int64_t num_entries = static_cast<int64_t>(a.num_tokens) * num_topk;
-  for (int expert = blockIdx.x + warp * a.num_blocks; expert < num_experts; expert += kWarps * a.num_blocks) {
-    int count = count_entries(a.topk_idx, num_entries, expert);
-    if (count > layout.num_max_tokens) count = layout.num_max_tokens;  // what was sent (see above)
-    if (lane == 0) {
-      const int dst = expert / num_local, local = expert % num_local;
-      announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
-                     static_cast<uint32_t>(count), dst);
+      const int dst = static_cast<int>(expert / num_local);
+      bool first = true;
+      for (int j = 0; j < k && first; ++j)
+        first = !(is_expert(token_experts[j], num_experts) && token_experts[j] / num_local == dst);
+      if (first) send_token_to_rank(a, payload, token, k, dst, token_experts, token_slots);
     }
   }
 }
 
 // ---- receive ------------------------------------------------------------------------------------
-// Copies message `index` of region (local, src) into slot `slot` of the outputs. Warp-collective.
+// Copies the message at position `index` of region (local, src) into slot `slot` of the outputs.
+// Warp-collective.
 __device__ void unpack_message(const DispatchArgs& a, int local, int src, int index, int slot) {
   const LowLatencyLayout& layout = a.layout;
   const int lane = lane_id();
   const int num_slots = layout.num_slots();
   const int64_t row = static_cast<int64_t>(local) * num_slots + slot;
-  const uint8_t* msg = a.round.data + layout.dispatch_recv_offset() + layout.recv_message_offset(local, src, index);
-  const uint8_t* payload = msg + kMsgHeaderBytes;
-  if (lane == 0) {
-    const int4 raw = ld_cg_v4(reinterpret_cast<const int4*>(msg));
-    const MessageHeader& header = *reinterpret_cast<const MessageHeader*>(&raw);
-    a.recv_src_info[row] = (src << kSourceRowBits) | (header.src_token * kMaxTopk + header.topk_slot);
-  }
+  const int entry = ld_cg_s32(reinterpret_cast<const int*>(a.round.data + layout.recv_index_offset(local, src, index)));
+  const int token = entry / kMaxTopk;
+  // This rank's own tokens are read where the cast left them; a peer's from where it stored them.
+  const uint8_t* payload = a.round.data + (src == a.rank ? layout.token_payloads_offset() + token * layout.payload_bytes()
+                                                         : layout.token_recv_offset(src, token));
+  if (lane == 0) a.recv_src_info[row] = (src << kSourceRowBits) | entry;
   if (!a.use_fp8) {
-    int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + row * layout.row_bytes());
-    const int64_t units = layout.row_bytes() / 16;
-    for (int64_t u = lane; u < units; u += 32) out[u] = ld_cg_v4(reinterpret_cast<const int4*>(payload) + u);
+    warp_copy_bytes<Load::kL2Only>(static_cast<uint8_t*>(a.recv_x) + row * layout.row_bytes(), payload,
+                                   layout.row_bytes());
     return;
   }
   const int hidden = layout.hidden;
   uint8_t* out = static_cast<uint8_t*>(a.recv_x) + row * hidden;
   if (hidden % 16 == 0) {  // rows of recv_x are 16-byte aligned
-    for (int u = lane; u < hidden / 16; u += 32)
-      reinterpret_cast<int4*>(out)[u] = ld_cg_v4(reinterpret_cast<const int4*>(payload) + u);
+    warp_copy_bytes<Load::kL2Only>(out, payload, hidden);
   } else {                 // 8-byte aligned rows
     for (int u = lane; u < hidden / 8; u += 32)
       reinterpret_cast<int2*>(out)[u] = ld_cg_v2(reinterpret_cast<const int2*>(payload) + u);
@@ -236,6 +311,17 @@ __device__ void unpack_message(const DispatchArgs& a, int local, int src, int in
       out_words[(static_cast<int64_t>(local) * num_words + w) * num_slots + slot] = static_cast<int32_t>(word);
     }
   }
+}
+
+// The source whose region holds `slot`: the last one that begins at or before it (an empty
+// region begins where the next one does, so the last such region is never empty).
+__device__ __forceinline__ int region_of_slot(const int* region_begin, int num_ranks, int slot) {
+  int low = 0, high = num_ranks - 1;
+  while (low < high) {
+    const int mid = (low + high + 1) / 2;
+    if (region_begin[mid] <= slot) low = mid; else high = mid - 1;
+  }
+  return low;
 }
 
 __device__ void dispatch_recv(const DispatchArgs& a) {
@@ -284,9 +370,11 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
     // NOTE: warp 0's acquire loads, then this barrier, order the messages' bytes before the copies
     // (which read through L2 only: ld.cg).
     __syncthreads();
-    for (int src = 0; src < num_ranks; ++src) {
-      const int count = region_count[src], begin = region_begin[src];
-      for (int i = warp; i < count; i += kWarps) unpack_message(a, local, src, i, begin + i);
+    // Slots [0, total) hold the sources' regions one after another; warps take slots in turn.
+    const int total = region_begin[num_ranks - 1] + region_count[num_ranks - 1];
+    for (int slot = warp; slot < total; slot += kWarps) {
+      const int src = region_of_slot(region_begin, num_ranks, slot);
+      unpack_message(a, local, src, slot - region_begin[src], slot);
     }
     __syncthreads();  // the tables are rewritten for the next expert
   }

@@ -14,12 +14,16 @@
 //   RoundState                     local bookkeeping of this PE (never written by a peer)
 //
 // One round (sizes for T_max tokens, hidden H, R ranks, E experts, E_local = E / R):
-//   dispatch_recv  [E_local][R][T_max] messages of msg_bytes = 16-byte header + payload
-//                  (the combine reuses it as its send staging / zero-copy buffer, viewed as a dense
-//                  [E_local][R * T_max][H] bf16 tensor: E * T_max * 2H <= its size)
+//   dispatch_recv  during a dispatch: [R][T_max] token payloads, one per (source rank, token) that
+//                  selected any expert here (a token crosses the link once per destination rank,
+//                  however many of its experts live there), then the index [E_local][R][T_max] int32:
+//                  t * kMaxTopk + k of the message in each region slot (local expert, source, slot).
+//                  After the dispatch the combine reuses the area as its send staging / zero-copy
+//                  buffer, a dense [E_local][R * T_max][H] bf16 tensor. Size: the larger use.
 //   combine_recv   [T_max][kMaxTopk] rows of 2H bytes: the expert output for (token, top-k slot)
-//   dispatch_send  [T_max] token payloads (cast once), then [T_max][kMaxTopk] staged messages
-//                  for peers reached over the network (a put needs its source in symmetric memory)
+//   dispatch_send  [T_max] token payloads (cast once; NVLink peers copy from here), then
+//                  [T_max][kMaxTopk] int32 index entries staged for peers reached over the network
+//                  (a put needs its source in symmetric memory)
 #pragma once
 
 #include <cstdint>
@@ -36,20 +40,11 @@ constexpr int kMaxRanks = 1024;       // PEs of one low-latency group (shared-me
 constexpr int kMaxTokens = 65536;     // T_max: a source index t * kMaxTopk + k must fit kSourceRowBits
 constexpr int kSourceRowBits = 21;    // recv_src_info = src_rank << 21 | (t * kMaxTopk + k)
 constexpr int kFp8BlockSize = 128;    // channels per FP8 scale
-constexpr int kMsgHeaderBytes = 16;   // MessageHeader
 constexpr int kThreads = 512;         // threads of every low-latency kernel block
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kAreaAlign = 128;
 
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
-
-// First 16 bytes of a dispatch message.
-struct MessageHeader {
-  int32_t src_token;  // token index on the source rank
-  int32_t topk_slot;  // k: the column of topk_idx that selected this expert
-  int32_t reserved[2];
-};
-static_assert(sizeof(MessageHeader) == kMsgHeaderBytes, "MessageHeader must stay 16 bytes");
 
 // Local bookkeeping of one round; lives in the header so that it is zero at start.
 struct RoundState {
@@ -110,28 +105,37 @@ struct LowLatencyLayout {
     const int64_t fp8 = fp8_scales_offset() + align_up(4LL * num_scales(), 16);
     return bf16 > fp8 ? bf16 : fp8;
   }
-  __host__ __device__ int64_t msg_bytes() const { return kMsgHeaderBytes + payload_bytes(); }
   // Payload bytes a message carries: the bf16 row, or the FP8 row and its scales.
   __host__ __device__ int64_t used_payload_bytes(bool use_fp8) const {
     return use_fp8 ? fp8_scales_offset() + align_up(4LL * num_scales(), 16) : row_bytes();
   }
 
   // Areas of one round: size formulas.
-  // dispatch_recv = E_local * R * T_max * msg_bytes
+  // token_recv = R * T_max * payload_bytes; recv_index = E_local * R * T_max * 4
+  __host__ __device__ int64_t token_recv_bytes() const {
+    return align_up(static_cast<int64_t>(num_ranks) * num_max_tokens * payload_bytes(), kAreaAlign);
+  }
+  __host__ __device__ int64_t recv_index_bytes() const {
+    return align_up(static_cast<int64_t>(num_experts) * num_max_tokens * 4, kAreaAlign);
+  }
+  // combine staging = E_local * R * T_max * 2H
+  __host__ __device__ int64_t combine_staging_bytes() const {
+    return align_up(static_cast<int64_t>(num_experts) * num_max_tokens * row_bytes(), kAreaAlign);
+  }
   __host__ __device__ int64_t dispatch_recv_bytes() const {
-    return align_up(static_cast<int64_t>(num_experts) * num_max_tokens * msg_bytes(), kAreaAlign);
+    const int64_t dispatch = token_recv_bytes() + recv_index_bytes();
+    return dispatch > combine_staging_bytes() ? dispatch : combine_staging_bytes();
   }
   // combine_recv = T_max * kMaxTopk * 2H
   __host__ __device__ int64_t combine_recv_bytes() const {
     return align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * row_bytes(), kAreaAlign);
   }
-  // dispatch_send = T_max * payload_bytes (token payloads) + T_max * kMaxTopk * msg_bytes (staged messages)
+  // dispatch_send = T_max * payload_bytes (token payloads) + T_max * kMaxTopk * 4 (staged index entries)
   __host__ __device__ int64_t token_payloads_bytes() const {
     return align_up(static_cast<int64_t>(num_max_tokens) * payload_bytes(), kAreaAlign);
   }
   __host__ __device__ int64_t dispatch_send_bytes() const {
-    return token_payloads_bytes() +
-           align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * msg_bytes(), kAreaAlign);
+    return token_payloads_bytes() + align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * 4, kAreaAlign);
   }
   __host__ __device__ int64_t round_bytes() const {
     return dispatch_recv_bytes() + combine_recv_bytes() + dispatch_send_bytes();
@@ -143,11 +147,16 @@ struct LowLatencyLayout {
   __host__ __device__ int64_t dispatch_recv_offset() const { return 0; }
   __host__ __device__ int64_t combine_recv_offset() const { return dispatch_recv_bytes(); }
   __host__ __device__ int64_t token_payloads_offset() const { return combine_recv_offset() + combine_recv_bytes(); }
-  __host__ __device__ int64_t staged_messages_offset() const { return token_payloads_offset() + token_payloads_bytes(); }
+  __host__ __device__ int64_t staged_index_offset() const { return token_payloads_offset() + token_payloads_bytes(); }
 
-  // Message of (local expert, source rank, slot) inside dispatch_recv.
-  __host__ __device__ int64_t recv_message_offset(int local_expert, int src_rank, int slot) const {
-    return ((static_cast<int64_t>(local_expert) * num_ranks + src_rank) * num_max_tokens + slot) * msg_bytes();
+  // Payload of token `token` from `src_rank` inside dispatch_recv.
+  __host__ __device__ int64_t token_recv_offset(int src_rank, int token) const {
+    return dispatch_recv_offset() + (static_cast<int64_t>(src_rank) * num_max_tokens + token) * payload_bytes();
+  }
+  // Index entry of (local expert, source rank, slot) inside dispatch_recv.
+  __host__ __device__ int64_t recv_index_offset(int local_expert, int src_rank, int slot) const {
+    return dispatch_recv_offset() + token_recv_bytes() +
+           ((static_cast<int64_t>(local_expert) * num_ranks + src_rank) * num_max_tokens + slot) * 4;
   }
 };
 
@@ -232,6 +241,7 @@ int combine_blocks_per_sm();
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "../common/copy.cuh"
 #include "../common/device_status.cuh"
 #include "../common/ptx.cuh"
 
@@ -239,6 +249,10 @@ namespace ep_plugin::low_latency {
 
 __device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t value) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
@@ -263,17 +277,6 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const Wait
   }
 }
 
-// Warp copy of `bytes` (a multiple of 16) from local memory to `dst` (local or a peer's mapping).
-// kReadOnlySource: `src` is not written during this kernel (user inputs), so the non-coherent
-// path may read it; otherwise (data written by this kernel) plain loads.
-template <bool kReadOnlySource>
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes) {
-  int4* d = static_cast<int4*>(dst);
-  const int4* s = static_cast<const int4*>(src);
-  const int64_t units = bytes / 16;
-  for (int64_t i = lane_id(); i < units; i += 32) st_na_v4(d + i, kReadOnlySource ? ld_nc_v4(s + i) : s[i]);
-}
-
 // After the warp has stored a message straight into `pe`'s memory: add 1 to `signal` (symmetric
 // address) there. Warp-collective.
 // NOTE: the warp barrier orders every lane's stores before lane 0's release, and the release at
@@ -296,14 +299,15 @@ __device__ __forceinline__ void put_with_signal(void* dst, const void* src, int6
 }
 
 // Announces `count` messages on `signal` (symmetric) of `pe`. One thread; no ordering needed
-// (the receiver compares the arrivals with the count).
+// (the receiver compares the arrivals with the count), so a relaxed add: a release would first
+// wait for every earlier store of the thread to reach the peer.
 // NOTE: same path as the word's arrivals (publish_direct / put_with_signal). nvshmemx_signal_op
 // sends an ADD through the network transport whenever the job is not NVLink-only, even to a peer
 // NVLink reaches; a NIC's atomic is not atomic with the GPU's NVLink atomics on the same word.
 __device__ __forceinline__ void announce_count(uint64_t* signal, uint32_t count, int pe) {
   uint64_t* peer_signal = static_cast<uint64_t*>(nvshmem_ptr(signal, pe));
   if (peer_signal != nullptr) {
-    red_add_release_sys(peer_signal, count_signal(count));
+    red_add_relaxed_sys(peer_signal, count_signal(count));
   } else {
     nvshmemx_signal_op(signal, count_signal(count), NVSHMEM_SIGNAL_ADD, pe);
   }
