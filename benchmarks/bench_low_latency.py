@@ -8,6 +8,9 @@ checked against the reference backend, then each is captured in its own CUDA gra
 graphs are replayed alternately `--replays` times; CUDA events around every replay give the times
 (median, p10, p90 over replays, then averaged over ranks). Before each dispatch replay the L2 is
 flushed (a 256 MiB memset on the same stream, outside the timed events) unless --no-flush.
+Then `--kernel-replays` more replays run under the profiler, which gives the kernels' own
+durations without the graph launch ("dispatch_kernel", "combine_kernel"): how DeepEP's
+test_low_latency.py times its kernels (kineto), so the number to set beside DeepEP's.
 The reference backend (not capturable: it reads counts on the host) is timed eagerly, with a
 device sync and a barrier before each call.
 
@@ -75,14 +78,13 @@ def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, 
     return int(want[1].sum())
 
 
-def time_native_graphs(native: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool, replays: int,
-                       flush: bool) -> Dict[str, List[float]]:
-    """Dispatch and combine each captured in a CUDA graph, replayed alternately; per-replay event times."""
+def capture_graphs(native: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool):
+    """Dispatch and combine, each captured in its own CUDA graph after a warm-up outside capture."""
     E_local = E // dist.get_world_size(native.group)
     expert_out = torch.randn(E_local, native.group_size * T, x.size(1), device="cuda").to(torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture
+    with torch.cuda.stream(side):
         _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
         native.low_latency_combine(expert_out, ids, weights, handle)
     torch.cuda.current_stream().wait_stream(side)
@@ -92,25 +94,64 @@ def time_native_graphs(native: Buffer, x, ids, weights, T: int, E: int, use_fp8:
         _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
     with torch.cuda.graph(combine_graph):
         native.low_latency_combine(expert_out, ids, weights, handle)
+    return dispatch_graph, combine_graph
+
+
+def time_native_graphs(native: Buffer, graphs, replays: int, kernel_replays: int,
+                       flush: bool) -> Dict[str, List[float]]:
+    """The two graphs replayed alternately: CUDA events around every replay (graph launch included),
+    then `kernel_replays` more under the profiler for the kernels' own durations (DeepEP's method)."""
+    dispatch_graph, combine_graph = graphs
     flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
-    for _ in range(20):
+
+    def replay(marks=None) -> None:
+        if flush_buffer is not None:
+            flush_buffer.zero_()
+        if marks:
+            marks[0].record()
         dispatch_graph.replay()
+        if marks:
+            marks[1].record()
         combine_graph.replay()
+        if marks:
+            marks[2].record()
+
+    for _ in range(20):
+        replay()
     torch.cuda.synchronize()
     dist.barrier(group=native.group)
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(replays)]
     for marks in events:
-        if flush_buffer is not None:
-            flush_buffer.zero_()
-        marks[0].record()
-        dispatch_graph.replay()
-        marks[1].record()
-        combine_graph.replay()
-        marks[2].record()
+        replay(marks)
     torch.cuda.synchronize()
-    return {"dispatch": [m[0].elapsed_time(m[1]) * 1e3 for m in events],
-            "combine": [m[1].elapsed_time(m[2]) * 1e3 for m in events],
-            "dispatch_combine": [m[0].elapsed_time(m[2]) * 1e3 for m in events]}
+    times = {"dispatch": [m[0].elapsed_time(m[1]) * 1e3 for m in events],
+             "combine": [m[1].elapsed_time(m[2]) * 1e3 for m in events],
+             "dispatch_combine": [m[0].elapsed_time(m[2]) * 1e3 for m in events]}
+    if kernel_replays > 0:
+        times.update(kernel_durations_us(native, replay, kernel_replays))
+    return times
+
+
+def kernel_durations_us(native: Buffer, replay, replays: int) -> Dict[str, List[float]]:
+    """Durations of the low-latency kernels themselves, from a CUPTI trace of `replays` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier(group=native.group)
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    durations: Dict[str, List[float]] = {"dispatch_kernel": [], "combine_kernel": []}
+    for event in trace.events():
+        if "low_latency" not in event.name:
+            continue
+        for op in ("dispatch", "combine"):
+            if f"{op}_kernel" in event.name:
+                durations[f"{op}_kernel"].append(event.time_range.elapsed_us())
+    for op, values in durations.items():
+        if len(values) != replays:
+            raise RuntimeError(f"the profiler saw {len(values)} {op} launches in {replays} replays")
+    return durations
 
 
 def time_reference(reference: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool,
@@ -152,7 +193,8 @@ def bench_rank(rank: int, R: int, group, args: argparse.Namespace) -> dict:
     for i, T in enumerate(points):
         x, ids, weights = make_inputs(rank, T, H, K, E, args.seed + i)
         received = check_against_reference(native, reference, x, ids, weights, T, E, use_fp8)
-        native_times = time_native_graphs(native, x, ids, weights, T, E, use_fp8, args.replays, not args.no_flush)
+        graphs = capture_graphs(native, x, ids, weights, T, E, use_fp8)
+        native_times = time_native_graphs(native, graphs, args.replays, args.kernel_replays, not args.no_flush)
         reference_times = time_reference(reference, x, ids, weights, T, E, use_fp8, args.reference_iters) \
             if args.reference_iters > 0 else {}
         dispatch_msg_bytes = H + scale_bytes if use_fp8 else 2 * H
@@ -181,7 +223,7 @@ def aggregate(per_rank: List[dict]) -> List[dict]:
             for op in first[backend]:
                 stats = [r["points"][i][backend][op] for r in per_rank]
                 entry = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
-                byte_key = {"dispatch": "dispatch_bytes", "combine": "combine_bytes"}.get(op)
+                byte_key = {"dispatch": "dispatch_bytes", "combine": "combine_bytes"}.get(op.replace("_kernel", ""))
                 if byte_key:
                     entry["gbps"] = sum(r["points"][i][byte_key] / (s["median_us"] * 1e-6) / 1e9
                                         for r, s in zip(per_rank, stats)) / len(stats)
@@ -236,6 +278,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", default=",".join(map(str, DEFAULT_SWEEP)),
                         help="tokens per rank, comma-separated ('' for --tokens only)")
     parser.add_argument("--replays", type=int, default=1000)
+    parser.add_argument("--kernel-replays", type=int, default=200,
+                        help="replays traced by the profiler for kernel-only durations (0: none)")
     parser.add_argument("--reference-iters", type=int, default=20, help="0 skips the reference backend")
     parser.add_argument("--no-flush", action="store_true", help="do not flush the L2 before each dispatch")
     parser.add_argument("--seed", type=int, default=0)
@@ -261,14 +305,17 @@ def main(argv=None) -> int:
               "points": aggregate(per_rank)}
     print(f"symmetric buffer: {report['num_rdma_bytes'] / 1e9:.3f} GB per GPU for T_max={max(args.sweep or [args.tokens])}"
           f" ({report['num_rdma_bytes_at_128_tokens'] / 1e9:.3f} GB at 128 tokens; DeepEP about 1.9 GB)")
-    header = f"{'tokens':>7} {'op':<10} {'native med us':>14} {'p10':>7} {'p90':>7} {'GB/s':>8} {'reference us':>13}"
+    header = (f"{'tokens':>7} {'op':<10} {'native med us':>14} {'p10':>7} {'p90':>7} {'GB/s':>8} {'kernel us':>10} "
+              f"{'reference us':>13}")
     print(header)
     print("-" * len(header))
     for point in report["points"]:
         for op in ("dispatch", "combine"):
             n, r = point["native"][op], point["reference"].get(op)
+            kernel = point["native"].get(f"{op}_kernel")
             print(f"{point['tokens']:>7} {op:<10} {n['median_us']:>14.1f} {n['p10_us']:>7.1f} {n['p90_us']:>7.1f} "
-                  f"{n['gbps']:>8.1f} {r['median_us'] if r else float('nan'):>13.1f}")
+                  f"{n['gbps']:>8.1f} {kernel['median_us'] if kernel else float('nan'):>10.1f} "
+                  f"{r['median_us'] if r else float('nan'):>13.1f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as handle:
