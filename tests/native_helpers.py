@@ -5,13 +5,14 @@ Inputs for normal mode, exact comparison by bits, allocator poisoning, and CUDA-
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Tuple
 
 import pytest
 import torch
 
 from ep_plugin.fp8 import quantize
-from ep_plugin.launch import RANKS_PER_GPU_ENV, rank_slots
+from ep_plugin.launch import RANKS_PER_GPU_ENV, finish_rank, rank_slots
 from ep_plugin.testing import raw_bytes
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -238,3 +239,42 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     check("cached dispatch", check_cached)
     if failures:
         raise AssertionError("\n".join(failures))
+
+
+# ---- a peer that never answers ------------------------------------------------------------------
+def device_error_message(native, error: Exception) -> str:
+    """The error's text; where the CUDA error surfaced first, what ep_plugin's device status recorded."""
+    message = str(error)
+    if "waited for peer" in message:
+        return message
+    for runtime in (getattr(native._backend, "_net", None), getattr(native._backend, "_runtime", None)):
+        if runtime is None:
+            continue
+        try:
+            runtime.check_device_error()
+        except Exception as detail:  # noqa: BLE001 - the message is the point
+            return str(detail)
+    return message
+
+
+def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, absent_s: float) -> str:
+    """Rank 1 never joins `op` ("dispatch", or "combine" after a dispatch every rank finished).
+
+    Returns "absent" on rank 1. Rank 0 must time out: it ends its process with the error text
+    (finish_rank: its CUDA context is stopped, so no tensor may be freed), else returns "no error".
+    """
+    if op == "combine":
+        out = native.dispatch(x, **dispatch_kwargs)
+        torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(absent_s)  # longer than rank 0's timeout
+        return "absent"
+    try:
+        if op == "dispatch":
+            native.dispatch(x, **dispatch_kwargs)
+        else:
+            native.combine(out[0], out[4])
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - the message is the point of the test
+        finish_rank(device_error_message(native, error))
+    return "no error"

@@ -15,7 +15,6 @@ Run on the GPU machine (2x H200):
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -23,9 +22,10 @@ import torch
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
-from ep_plugin.launch import finish_rank, parallel_launch
+from ep_plugin.launch import parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from native_helpers import NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, needs_ranks, run_case
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, missing_peer_scenario,
+                            needs_ranks, run_case)
 
 try:
     from ep_plugin import _C_nvshmem
@@ -321,18 +321,6 @@ def test_300_back_to_back_iterations():
 
 
 # ---- failures: a missing peer, ranks that disagree ----------------------------------------------------
-def _internode_error(native: Buffer, error: Exception) -> str:
-    message = str(error)
-    if "waited for peer" not in message:  # the CUDA error surfaced first: ask ep_plugin what happened
-        for runtime in (native._backend._net, native._backend._runtime):
-            try:
-                runtime.check_device_error()
-            except Exception as detail:  # noqa: BLE001
-                message = str(detail)
-                break
-    return message
-
-
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     native, _ = make_buffers(group, 1, timeout_s=3.0)
     case = dict(T=64, H=2048, K=4, E=16)
@@ -340,21 +328,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     layout = native.get_dispatch_layout(topk_idx, 16)
     kwargs = dict(num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
                   num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
-    if op == "combine":
-        out = native.dispatch(x, **kwargs)
-        torch.cuda.synchronize()
-    if rank == 1:
-        time.sleep(10)  # never joins the operation (rank 0 times out after 3 s)
-        return "absent"
-    try:
-        if op == "dispatch":
-            native.dispatch(x, **kwargs)
-        else:
-            native.combine(out[0], out[4])
-        torch.cuda.synchronize()
-    except Exception as error:  # noqa: BLE001 - the message is the point of the test
-        finish_rank(_internode_error(native, error))  # the context is stopped: end before any tensor is freed
-    return "no error"
+    return missing_peer_scenario(native, rank, op, x, kwargs, absent_s=10)
 
 
 @needs_gpus(2, own_gpus=True)

@@ -6,15 +6,14 @@ before native calls so that rows a kernel forgets to write show up as mismatches
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
 from ep_plugin import Buffer, Config
-from ep_plugin.launch import finish_rank, parallel_launch
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, multi_gpu_ranks, needs_ranks,
-                            poison_allocator, run_case)
+from ep_plugin.launch import parallel_launch
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, missing_peer_scenario,
+                            multi_gpu_ranks, needs_ranks, poison_allocator, run_case)
 
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
@@ -181,27 +180,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     layout = native.get_dispatch_layout(topk_idx, 16)
     kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                   topk_idx=topk_idx, topk_weights=weights)
-    if op == "combine":
-        out = native.dispatch(x, **kwargs)
-        torch.cuda.synchronize()
-    if rank == 1:
-        time.sleep(8)  # never joins the operation (rank 0 times out after 3 s)
-        return "absent"
-    try:
-        if op == "dispatch":
-            native.dispatch(x, **kwargs)
-        else:
-            native.combine(out[0], out[4])
-        torch.cuda.synchronize()
-    except Exception as error:  # noqa: BLE001 - the message is the point of the test
-        message = str(error)
-        if "waited for peer" not in message:  # the CUDA error surfaced first: ask ep_plugin what happened
-            try:
-                native._backend._runtime.check_device_error()
-            except Exception as detail:  # noqa: BLE001
-                message = str(detail)
-        finish_rank(message)  # the context is stopped: end before any tensor is freed
-    return "no error"
+    return missing_peer_scenario(native, rank, op, x, kwargs, absent_s=8)
 
 
 @needs_ranks(RANKS, own_gpus=True)
