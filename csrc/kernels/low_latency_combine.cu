@@ -2,10 +2,11 @@
 // its top-k rows weighted by topk_weights in fp32 and writes bf16.
 //
 // Send (the expert side; block b: local experts b, b + B, ...): for each source rank, announce how
-// many rows this expert returns to it; then warps send each filled slot's row of x to row
-// (token * kMaxTopk + k) of the source's combine_recv area and add 1 to the source's signal word of
-// this expert (stores + release over NVLink; put-with-signal over the network, from this round's
-// dispatch_recv area used as staging, or straight from it with zero_copy).
+// many row pieces this expert returns to it (an expert with few rows splits each into pieces so
+// that all warps work); then warps send each filled slot's row of x, piece by piece, to row
+// (token * kMaxTopk + k) of the source's combine_recv area and add 1 per piece to the source's
+// signal word of this expert (stores + release over NVLink; put-with-signal over the network, from
+// this round's dispatch_recv area used as staging, or straight from it with zero_copy).
 // Receive (the token side; block b: tokens b, b + B, ...): one lane per top-k entry waits until
 // the word of its expert is complete, then all threads reduce the token's rows in k order. The last
 // block to finish waits for every word of the round (each expert announces a count, also of 0) and
@@ -19,28 +20,42 @@ namespace ep_plugin::low_latency {
 namespace {
 
 // ---- send ---------------------------------------------------------------------------------------
-// Sends slot `slot` of local expert `local` back to where dispatch got it from. Warp-collective.
-__device__ void send_row(const CombineArgs& a, int local, int slot) {
+constexpr int kMaxRowPieces = 8;
+
+// Pieces each row of an expert with `num_rows` rows is sent in: with few rows, a row is split so
+// that every warp of the block copies part of one (one warp copying a whole row pays several
+// memory latencies one after another). Every piece counts as one arrival on the signal word.
+__device__ __forceinline__ int row_pieces(int num_rows, int row_units) {
+  const int pieces = num_rows > 0 ? kWarps / num_rows : 1;
+  return max(1, min(min(pieces, kMaxRowPieces), row_units));
+}
+
+// Sends piece `piece` of `pieces` of slot `slot` of local expert `local` back to where dispatch got
+// it from. Warp-collective.
+__device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces) {
   const LowLatencyLayout& layout = a.layout;
   const int64_t row_bytes = layout.row_bytes();
+  const int64_t row_units = row_bytes / 16;
+  const int64_t first_unit = piece * row_units / pieces, end_unit = (piece + 1) * row_units / pieces;
+  const int64_t offset = first_unit * 16, bytes = (end_unit - first_unit) * 16;
   const int64_t index = static_cast<int64_t>(local) * layout.num_slots() + slot;
   const int info = a.recv_src_info[index];
   const int src = info >> kSourceRowBits;
   const int64_t dst_row = info & ((1 << kSourceRowBits) - 1);
-  const uint8_t* row = static_cast<const uint8_t*>(a.x) + index * row_bytes;
-  uint8_t* dst = a.round.data + layout.combine_recv_offset() + dst_row * row_bytes;  // symmetric address
+  const uint8_t* row = static_cast<const uint8_t*>(a.x) + index * row_bytes + offset;
+  uint8_t* dst = a.round.data + layout.combine_recv_offset() + dst_row * row_bytes + offset;  // symmetric address
   uint64_t* signal = a.round.combine_signals + a.rank * layout.num_local_experts() + local;
   uint8_t* peer_dst = static_cast<uint8_t*>(nvshmem_ptr(dst, src));
   if (peer_dst != nullptr) {
-    warp_copy_bytes<Load::kReadOnly>(peer_dst, row, row_bytes);
+    warp_copy_bytes<Load::kReadOnly>(peer_dst, row, bytes);
     publish_direct(signal, src);
   } else {
     // A network peer: the put needs a symmetric source. This round's dispatch_recv area, viewed as
     // [E_local][R * T_max][H] bf16, is free once the dispatch's receive has copied it out (with
     // zero_copy, x is that area).
-    uint8_t* staged = a.round.data + layout.dispatch_recv_offset() + index * row_bytes;
-    if (!a.x_is_staging) warp_copy_bytes<Load::kReadOnly>(staged, row, row_bytes);
-    put_with_signal(dst, staged, row_bytes, signal, src);
+    uint8_t* staged = a.round.data + layout.dispatch_recv_offset() + index * row_bytes + offset;
+    if (!a.x_is_staging) warp_copy_bytes<Load::kReadOnly>(staged, row, bytes);
+    put_with_signal(dst, staged, bytes, signal, src);
   }
 }
 
@@ -48,17 +63,21 @@ __device__ void combine_send(const CombineArgs& a) {
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
+  const int row_units = static_cast<int>(layout.row_bytes() / 16);
   for (int local = blockIdx.x; local < num_local; local += a.num_blocks) {
     const int64_t* regions = a.recv_layout + static_cast<int64_t>(local) * num_ranks;
+    // The sources' regions fill slots [0, total) one after another.
+    const int64_t last = regions[num_ranks - 1];
+    const int total = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
+    const int pieces = row_pieces(total, row_units);
     if (warp == kWarps - 1) {
       for (int src = lane; src < num_ranks; src += 32)
         announce_count(a.round.combine_signals + a.rank * num_local + local,
-                       static_cast<uint32_t>(regions[src] & 0xffffffff), src);
+                       static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces, src);
     }
-    // The sources' regions fill slots [0, total) one after another; warps take slots in turn.
-    const int64_t last = regions[num_ranks - 1];
-    const int total = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
-    for (int slot = warp; slot < total; slot += kWarps) send_row(a, local, slot);
+    // Warps take (slot, piece) items in turn.
+    for (int item = warp; item < total * pieces; item += kWarps)
+      send_row_piece(a, local, item / pieces, item % pieces, pieces);
   }
 }
 

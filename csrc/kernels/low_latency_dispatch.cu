@@ -3,11 +3,14 @@
 // message is an index entry (t * kMaxTopk + k) in the region's slot; the token's payload crosses
 // to a rank once, however many of its experts live there.
 //
-// Send (block b: tokens b, b + B, ...; counts of experts e = b mod B):
-//   1. for its experts, the block counts this rank's messages and announces the count;
-//   2. the whole block casts token t once into this round's token payload (FP8 with scales, or bf16)
-//      and counts, for each top-k column k, the earlier entries of topk_idx that select the same
-//      expert: the slot of (t, k) in its region (so a region holds its tokens in (token, k) order);
+// Send (block b: tokens b, b + B, ..., up to kMaxTokensPerStep at a time; counts of experts
+// e = b mod B), in two groups of warps that run side by side:
+//   1. the count group counts this rank's messages to each of the block's experts and announces
+//      the counts;
+//   2. the send group casts each token t of a step once into this round's token payload (FP8 with
+//      scales, or bf16) and counts, for each top-k column k, the earlier entries of topk_idx that
+//      select the same expert: the slot of (t, k) in its region (a region holds its tokens in
+//      (token, k) order);
 //   3. per destination rank of the token, one warp stores the payload there once, then the index
 //      entry of each column k whose expert e lives there into region (e, this rank) at its slot,
 //      and adds 1 to that region's signal word: straight stores + release over NVLink, puts (the
@@ -29,6 +32,19 @@
 
 namespace ep_plugin::low_latency {
 namespace {
+
+// The send phase splits the block: warps [0, kSendWarps) cast and send tokens while the last
+// kCountWarps count and announce this rank's messages per expert, each group with its own barrier.
+constexpr int kCountWarps = 2;  // 448 send threads: one cast pass for hidden 7168
+constexpr int kSendWarps = kWarps - kCountWarps;
+constexpr int kSendThreads = kSendWarps * 32;
+constexpr int kCountThreads = kCountWarps * 32;
+constexpr int kSendBarrier = 1;   // named barriers (0 is __syncthreads)
+constexpr int kCountBarrier = 2;
+
+__device__ __forceinline__ void sync_threads(int barrier, int num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(num_threads) : "memory");
+}
 
 constexpr float kFp8Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
@@ -70,7 +86,7 @@ __device__ __forceinline__ int2 quantize8(const float* v, float scale) {
 }
 
 // Casts token `token` into `payload`: H e4m3 bytes, then one float scale per 128 channels at
-// fp8_scales_offset(). Thread i handles channels [16 u, 16 u + 16) for u = i, i + kThreads, ...;
+// fp8_scales_offset(). Thread i handles channels [16 u, 16 u + 16) for u = i, i + kSendThreads, ...;
 // the 8 threads of a 128-channel block are 8 aligned lanes of one warp and share its amax.
 __device__ void cast_token_fp8(const DispatchArgs& a, int token, uint8_t* payload) {
   const LowLatencyLayout& layout = a.layout;
@@ -79,7 +95,7 @@ __device__ void cast_token_fp8(const DispatchArgs& a, int token, uint8_t* payloa
   float* scales = reinterpret_cast<float*>(payload + layout.fp8_scales_offset());
   const int num_units = (hidden + 15) / 16;
   // NOTE: the trip count is the same for every thread: the shuffles below need whole warps.
-  for (int base = 0; base < num_units; base += kThreads) {
+  for (int base = 0; base < num_units; base += kSendThreads) {
     const int unit = base + static_cast<int>(threadIdx.x);
     const int first = unit * 16;
     // hidden is a multiple of 8: a unit holds 16, 8 or 0 channels.
@@ -107,7 +123,7 @@ __device__ void copy_token_bf16(const DispatchArgs& a, int token, uint8_t* paylo
   const int4* row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + token * a.layout.row_bytes());
   int4* out = reinterpret_cast<int4*>(payload);
   const int num_units = static_cast<int>(a.layout.row_bytes() / 16);
-  for (int u = threadIdx.x; u < num_units; u += kThreads) out[u] = ld_nc_v4(row + u);
+  for (int u = threadIdx.x; u < num_units; u += kSendThreads) out[u] = ld_nc_v4(row + u);
 }
 
 // ---- routing ------------------------------------------------------------------------------------
@@ -116,7 +132,8 @@ __device__ __forceinline__ bool is_expert(int64_t id, int num_experts) { return 
 constexpr int kCountsPerPass = 1024;  // experts one block counts per pass over topk_idx
 
 // Announces how many messages this rank sends to each expert e = blockIdx.x (mod num_blocks).
-// Block-wide: one pass over topk_idx per kCountsPerPass experts, counted in shared memory.
+// The count group (warps [kSendWarps, kWarps)): one pass over topk_idx per kCountsPerPass experts,
+// counted in shared memory.
 // NOTE: a count may land before its messages: the receiver compares arrivals with it.
 __device__ void announce_expert_counts(const DispatchArgs& a) {
   __shared__ int counts[kCountsPerPass];
@@ -124,17 +141,19 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
   const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
   const int64_t num_entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   const int block = blockIdx.x, stride = a.num_blocks;
+  const int thread = static_cast<int>(threadIdx.x) - kSendThreads;
   for (int first = 0; first * stride + block < num_experts; first += kCountsPerPass) {
-    for (int j = threadIdx.x; j < kCountsPerPass; j += kThreads) counts[j] = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < num_entries; i += kThreads) {
+    for (int j = thread; j < kCountsPerPass; j += kCountThreads) counts[j] = 0;
+    sync_threads(kCountBarrier, kCountThreads);
+#pragma unroll 4
+    for (int64_t i = thread; i < num_entries; i += kCountThreads) {
       const int64_t id = __ldg(a.topk_idx + i);
       if (!is_expert(id, num_experts) || static_cast<int>(id) % stride != block) continue;
       const int j = static_cast<int>(id) / stride - first;
       if (j >= 0 && j < kCountsPerPass) atomicAdd(&counts[j], 1);
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < kCountsPerPass && (first + j) * stride + block < num_experts; j += kThreads) {
+    sync_threads(kCountBarrier, kCountThreads);
+    for (int j = thread; j < kCountsPerPass && (first + j) * stride + block < num_experts; j += kCountThreads) {
       const int expert = (first + j) * stride + block;
       // Only a token that selects one expert twice can push a count past T_max; what is sent stops there.
       const int count = min(counts[j], layout.num_max_tokens);
@@ -142,21 +161,33 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
       announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
                      static_cast<uint32_t>(count), dst);
     }
-    __syncthreads();  // counts[] is zeroed again by the next pass
+    sync_threads(kCountBarrier, kCountThreads);  // counts[] is zeroed again by the next pass
   }
 }
 
-// slots[k] = the entries of topk_idx before (token, k) that select the same expert as (token, k):
-// the message's slot in its region, which keeps a region in (token, k) order. Block-wide; experts[]
-// holds the token's row, slots[] is zero on entry.
-__device__ void count_earlier_selections(const DispatchArgs& a, int token, const int64_t* experts, int* slots) {
+constexpr int kMaxTokensPerStep = 4;  // tokens a block casts and sends together
+
+// The tokens a block handles in one step: tokens[g] = first + g * num_blocks for g < count.
+struct TokenStep {
+  int first, count;
+  __device__ int token(int g, int num_blocks) const { return first + g * num_blocks; }
+};
+
+// slots[g][k] = the entries of topk_idx before (token g, k) that select the same expert as
+// (token g, k): the message's slot in its region, which keeps a region in (token, k) order.
+// The send group; experts[g] holds token g's row, slots[] is zero on entry.
+__device__ void count_earlier_selections(const DispatchArgs& a, const TokenStep& step,
+                                         const int64_t (*experts)[kMaxTopk], int (*slots)[kMaxTopk]) {
   const int num_topk = a.num_topk;
-  const int64_t row = static_cast<int64_t>(token) * num_topk;
-  for (int64_t i = threadIdx.x; i < row + num_topk; i += kThreads) {
+  const int64_t end = static_cast<int64_t>(step.token(step.count - 1, a.num_blocks) + 1) * num_topk;
+  for (int64_t i = threadIdx.x; i < end; i += kSendThreads) {
     const int64_t id = __ldg(a.topk_idx + i);
     if (!is_expert(id, a.layout.num_experts)) continue;
-    for (int k = 0; k < num_topk; ++k)
-      if (experts[k] == id && i < row + k) atomicAdd(&slots[k], 1);
+    for (int g = 0; g < step.count; ++g) {
+      const int64_t row = static_cast<int64_t>(step.token(g, a.num_blocks)) * num_topk;
+      for (int k = 0; k < num_topk; ++k)
+        if (experts[g][k] == id && i < row + k) atomicAdd(&slots[g][k], 1);
+    }
   }
 }
 
@@ -227,41 +258,56 @@ __device__ void send_token_to_rank(const DispatchArgs& a, const uint8_t* payload
 }
 
 __device__ void dispatch_send(const DispatchArgs& a) {
-  __shared__ int64_t token_experts[kMaxTopk];
-  __shared__ int token_slots[kMaxTopk];
+  __shared__ int64_t step_experts[kMaxTokensPerStep][kMaxTopk];
+  __shared__ int step_slots[kMaxTokensPerStep][kMaxTopk];
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32;
   const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
-  const int num_topk = a.num_topk;
+  const int num_topk = a.num_topk, num_blocks = a.num_blocks;
   uint8_t* payloads = a.round.data + layout.token_payloads_offset();
 
-  announce_expert_counts(a);
-  for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
-    __syncthreads();  // the previous token's senders have read token_experts / token_slots
-    if (threadIdx.x < num_topk) {
-      token_experts[threadIdx.x] = __ldg(a.topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
-      token_slots[threadIdx.x] = 0;
+  if (warp >= kSendWarps) {
+    announce_expert_counts(a);
+    return;
+  }
+  // Tokens b, b + B, ... in steps of up to kMaxTokensPerStep: one cast and count pass per step,
+  // then the warps send all of the step's tokens at once.
+  for (int first = blockIdx.x; first < a.num_tokens; first += kMaxTokensPerStep * num_blocks) {
+    const TokenStep step{first, min(kMaxTokensPerStep, (a.num_tokens - first + num_blocks - 1) / num_blocks)};
+    sync_threads(kSendBarrier, kSendThreads);  // the previous step's senders have read step_experts / step_slots
+    for (int i = threadIdx.x; i < step.count * num_topk; i += kSendThreads) {
+      const int g = i / num_topk, k = i % num_topk;
+      step_experts[g][k] = __ldg(a.topk_idx + static_cast<int64_t>(step.token(g, num_blocks)) * num_topk + k);
+      step_slots[g][k] = 0;
     }
-    uint8_t* payload = payloads + static_cast<int64_t>(token) * layout.payload_bytes();
-    if (a.use_fp8) {
-      cast_token_fp8(a, token, payload);
-    } else {
-      copy_token_bf16(a, token, payload);
+    for (int g = 0; g < step.count; ++g) {
+      const int token = step.token(g, num_blocks);
+      uint8_t* payload = payloads + static_cast<int64_t>(token) * layout.payload_bytes();
+      if (a.use_fp8) {
+        cast_token_fp8(a, token, payload);
+      } else {
+        copy_token_bf16(a, token, payload);
+      }
     }
-    __syncthreads();
-    count_earlier_selections(a, token, token_experts, token_slots);
-    // NOTE: every thread's part of the payload is written, and every slot counted, before any warp
+    sync_threads(kSendBarrier, kSendThreads);
+    count_earlier_selections(a, step, step_experts, step_slots);
+    // NOTE: every thread's part of the payloads is written, and every slot counted, before any warp
     // reads them to send.
-    __syncthreads();
-    // Warp w serves the rank of column k = w (w + kWarps, ...) when k is that rank's first column.
-    for (int k = warp; k < num_topk; k += kWarps) {
-      const int64_t expert = token_experts[k];
+    sync_threads(kSendBarrier, kSendThreads);
+    // Warps take (token, column k) in turn and serve k's rank when k is that rank's first column.
+    for (int item = warp; item < step.count * num_topk; item += kSendWarps) {
+      const int g = item / num_topk, k = item % num_topk;
+      const int64_t* experts = step_experts[g];
+      const int64_t expert = experts[k];
       if (!is_expert(expert, num_experts)) continue;
       const int dst = static_cast<int>(expert / num_local);
-      bool first = true;
-      for (int j = 0; j < k && first; ++j)
-        first = !(is_expert(token_experts[j], num_experts) && token_experts[j] / num_local == dst);
-      if (first) send_token_to_rank(a, payload, token, k, dst, token_experts, token_slots);
+      bool first_column = true;
+      for (int j = 0; j < k && first_column; ++j)
+        first_column = !(is_expert(experts[j], num_experts) && experts[j] / num_local == dst);
+      const int token = step.token(g, num_blocks);
+      if (first_column)
+        send_token_to_rank(a, payloads + static_cast<int64_t>(token) * layout.payload_bytes(), token, k, dst, experts,
+                           step_slots[g]);
     }
   }
 }
