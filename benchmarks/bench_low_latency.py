@@ -251,6 +251,9 @@ def plot(report: dict, path: str) -> None:
                                      [p[backend][op]["p90_us"] for p in points], color=color, alpha=0.2)
                 ax_bw.plot(tokens, [p[backend][op]["gbps"] for p in points], color=color, marker="o",
                            label=f"{backend} {op}")
+                if f"{op}_kernel" in points[0][backend]:
+                    ax_time.plot(tokens, [p[backend][f"{op}_kernel"]["median_us"] for p in points], "--",
+                                 color=color, marker=".", label=f"{backend} {op}, kernel only")
     for op, color in (("dispatch", "tab:blue"), ("combine", "tab:orange")):
         ax_time.axhline(TARGETS_US[op], color=color, linestyle="--", linewidth=0.8, label=f"target {op}")
     ax_time.set_xlabel("tokens per rank")
