@@ -133,7 +133,11 @@ def time_native_graphs(native: Buffer, graphs, replays: int, kernel_replays: int
 
 
 def kernel_durations_us(native: Buffer, replay, replays: int) -> Dict[str, List[float]]:
-    """Durations of the low-latency kernels themselves, from a CUPTI trace of `replays` replays."""
+    """Durations of the low-latency kernels themselves, from a CUPTI trace of `replays` replays.
+
+    Ranks that share a GPU launch send and receive separately: a replay's time is then the sum of
+    its launches.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier(group=native.group)
@@ -141,17 +145,24 @@ def kernel_durations_us(native: Buffer, replay, replays: int) -> Dict[str, List[
         for _ in range(replays):
             replay()
         torch.cuda.synchronize()
-    durations: Dict[str, List[float]] = {"dispatch_kernel": [], "combine_kernel": []}
+    launches: Dict[str, List[tuple]] = {"dispatch_kernel": [], "combine_kernel": []}
     for event in trace.events():
         if "low_latency" not in event.name:
             continue
         for op in ("dispatch", "combine"):
             if f"{op}_kernel" in event.name:
-                durations[f"{op}_kernel"].append(event.time_range.elapsed_us())
-    for op, values in durations.items():
-        if len(values) != replays:
-            raise RuntimeError(f"the profiler saw {len(values)} {op} launches in {replays} replays")
-    return durations
+                launches[f"{op}_kernel"].append((event.time_range.start, event.time_range.elapsed_us()))
+    return {op: per_replay_us(op, found, replays) for op, found in launches.items()}
+
+
+def per_replay_us(op: str, launches: List[tuple], replays: int) -> List[float]:
+    """(start, microseconds) of every launch of `op` -> its time per replay, launches in start order
+    summed in equal groups (one group per replay)."""
+    per_replay = len(launches) // replays
+    if per_replay == 0 or len(launches) != per_replay * replays:
+        raise RuntimeError(f"the profiler saw {len(launches)} {op} launches in {replays} replays")
+    ordered = sorted(launches)
+    return [sum(us for _, us in ordered[i:i + per_replay]) for i in range(0, len(ordered), per_replay)]
 
 
 def time_reference(reference: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool,

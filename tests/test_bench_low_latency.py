@@ -3,6 +3,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_low_latency.py"
 
 
@@ -50,3 +52,13 @@ def test_plot_draws_event_and_kernel_times(tmp_path):
     path = tmp_path / "plot.png"
     bench.plot(report, str(path))
     assert path.stat().st_size > 10_000
+
+
+def test_kernel_time_per_replay_sums_the_launches_of_split_send_and_receive():
+    bench = _load()
+    assert bench.per_replay_us("dispatch_kernel", [(30, 3.0), (10, 1.0)], 2) == [1.0, 3.0]
+    # Ranks sharing a GPU: send and receive are two launches per replay.
+    split = [(40, 4.0), (10, 1.0), (30, 3.0), (20, 2.0)]
+    assert bench.per_replay_us("combine_kernel", split, 2) == [3.0, 7.0]
+    with pytest.raises(RuntimeError, match="3 dispatch_kernel launches in 2 replays"):
+        bench.per_replay_us("dispatch_kernel", [(1, 1.0), (2, 1.0), (3, 1.0)], 2)

@@ -36,31 +36,31 @@ inline std::string where(const char* file, int line) {
 
 }  // namespace ep_plugin
 
-#define EP_HOST_ASSERT(cond, message)                                                              \
-  do {                                                                                             \
-    if (!(cond)) {                                                                                 \
-      Text ep_out_;                                                                  \
+#define EP_HOST_ASSERT(cond, message)                                                                \
+  do {                                                                                               \
+    if (!(cond)) {                                                                                   \
+      ep_plugin::Text ep_out_;                                                                       \
       ep_out_ << message << " [" #cond " failed at " << ep_plugin::where(__FILE__, __LINE__) << "]"; \
-      throw ep_plugin::Error(ep_out_.str());                                                       \
-    }                                                                                              \
+      throw ep_plugin::Error(ep_out_.str());                                                         \
+    }                                                                                                \
   } while (0)
 
-#define EP_CHECK_ARG(cond, message)                \
-  do {                                             \
-    if (!(cond)) {                                 \
-      Text ep_out_;                  \
-      ep_out_ << message;                          \
+#define EP_CHECK_ARG(cond, message)                    \
+  do {                                                 \
+    if (!(cond)) {                                     \
+      ep_plugin::Text ep_out_;                         \
+      ep_out_ << message;                              \
       throw ep_plugin::InvalidArgument(ep_out_.str()); \
-    }                                              \
+    }                                                  \
   } while (0)
 
-#define CUDA_CHECK(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t ep_err_ = (expr);                                                                 \
-    if (ep_err_ != cudaSuccess) {                                                                 \
-      Text ep_out_;                                                                 \
+#define CUDA_CHECK(expr)                                                                                  \
+  do {                                                                                                    \
+    cudaError_t ep_err_ = (expr);                                                                         \
+    if (ep_err_ != cudaSuccess) {                                                                         \
+      ep_plugin::Text ep_out_;                                                                            \
       ep_out_ << #expr << " failed: " << cudaGetErrorName(ep_err_) << " (" << cudaGetErrorString(ep_err_) \
-              << ") at " << ep_plugin::where(__FILE__, __LINE__);                                 \
-      throw ep_plugin::Error(ep_out_.str());                                                      \
-    }                                                                                             \
+              << ") at " << ep_plugin::where(__FILE__, __LINE__);                                         \
+      throw ep_plugin::Error(ep_out_.str());                                                              \
+    }                                                                                                     \
   } while (0)
