@@ -25,9 +25,10 @@ __device__ __forceinline__ int4 load_unit(const int4* ptr) {
   else return *ptr;
 }
 
-// One warp copies `num_units` 16-byte units from `src` to `dst` (local or a peer's mapping).
-template <Load kLoad>
-__device__ __forceinline__ void warp_copy_units(int4* dst, const int4* src, int64_t num_units) {
+// One warp copies `num_units` 16-byte units from `src` to every non-null dst[d] (local memory or a
+// peer's mapping): each unit is loaded once and stored to every destination.
+template <Load kLoad, typename Ptr, int kDsts>
+__device__ __forceinline__ void warp_copy_units_to_all(Ptr const (&dst)[kDsts], const int4* src, int64_t num_units) {
   const int lane = lane_id();
   for (int64_t base = 0; base < num_units; base += 32 * kCopyUnroll) {
     int4 values[kCopyUnroll];
@@ -39,9 +40,19 @@ __device__ __forceinline__ void warp_copy_units(int4* dst, const int4* src, int6
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
-      if (i < num_units) st_na_v4(dst + i, values[u]);
+      if (i >= num_units) continue;
+#pragma unroll
+      for (int d = 0; d < kDsts; ++d)
+        if (kDsts == 1 || dst[d] != nullptr) st_na_v4(reinterpret_cast<int4*>(dst[d]) + i, values[u]);
     }
   }
+}
+
+// The same to one destination.
+template <Load kLoad>
+__device__ __forceinline__ void warp_copy_units(int4* dst, const int4* src, int64_t num_units) {
+  int4* const destinations[1] = {dst};
+  warp_copy_units_to_all<kLoad>(destinations, src, num_units);
 }
 
 // The same for `bytes` (a multiple of 16) between 16-byte-aligned addresses.

@@ -29,10 +29,9 @@ __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout&
   const int lane = lane_id();
   uint8_t* slot = static_cast<uint8_t*>(
       shfl_ptr(lane == owner ? ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes : nullptr, owner));
-  uint8_t* dst[kMaxNvlPeers] = {};
-  dst[0] = slot + kSlotMetaBytes;
-  copy_row_to_many(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2),
-                   dst, a.hidden / 8);
+  warp_copy_bytes<Load::kReadOnly>(slot + kSlotMetaBytes,
+                                   static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2,
+                                   2LL * a.hidden);
   if (a.num_topk > 0 && lane < a.num_topk)
     reinterpret_cast<SlotMeta*>(slot)->topk_weights[lane] = a.topk_weights[static_cast<int64_t>(row) * a.num_topk + lane];
   // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.

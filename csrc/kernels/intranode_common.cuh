@@ -12,28 +12,6 @@ __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank
   return reinterpret_cast<Header*>(peer_buffers[rank]);
 }
 
-// One warp copies a row of `num_units` 16-byte units from user memory to every non-null destination.
-__device__ __forceinline__ void copy_row_to_many(const int4* src, uint8_t* const (&dst)[kMaxNvlPeers],
-                                                 int num_units) {
-  const int lane = lane_id();
-  for (int base = 0; base < num_units; base += 32 * kCopyUnroll) {
-    int4 values[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < num_units) values[u] = ld_nc_v4(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i >= num_units) continue;
-#pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r)
-        if (dst[r] != nullptr) st_na_v4(reinterpret_cast<int4*>(dst[r]) + i, values[u]);
-    }
-  }
-}
-
 // Last block out advances the operation epoch that tags every ring counter.
 // NOTE: every block read op_epoch at its start, before its own increment of blocks_done, so no block
 // of this kernel can observe the new value.

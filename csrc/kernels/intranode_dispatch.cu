@@ -82,7 +82,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     }
     const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                         static_cast<int64_t>(t) * a.row_bytes);
-    copy_row_to_many(src_row, dst, num_units);
+    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, num_units);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for (int i = lane; i < a.num_scales; i += 32) {
