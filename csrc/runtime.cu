@@ -271,12 +271,11 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                           int64_t rows, cudaStream_t stream) {
   using intranode::staged_word;
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
-  auto* theirs = reinterpret_cast<intranode::Header*>(peer_buffers_[owner]);
   const uint32_t epoch = args.epoch;
   // The owner must have finished reading the previous combine's staging area.
   wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream);
-  write_word(&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows)), stream);
-  write_word(&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first)), stream);
+  write_word(&mine->staged_rows[owner], staged_word(epoch, static_cast<uint32_t>(rows)), stream);
+  write_word(&mine->staged_base[owner], staged_word(epoch, static_cast<uint32_t>(first)), stream);
 
   uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
   const int64_t row_bytes = 2LL * args.hidden;
@@ -295,7 +294,7 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
       CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
                                  args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
                                  cudaMemcpyDeviceToDevice, stream));
-    write_word(&theirs->staged_arrived[rank_], staged_word(epoch, static_cast<uint32_t>(piece + 1)), stream);
+    write_word(&mine->staged_sent[owner], staged_word(epoch, static_cast<uint32_t>(piece + 1)), stream);
   }
 }
 

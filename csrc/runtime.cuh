@@ -70,7 +70,8 @@ class IntranodeRuntime {
   void require_connected() const;
   void require_buffer_fits(int64_t needed, const char* op) const;
   std::string describe_device_error() const;
-  // Writes a 64-bit word (of a peer's header) from the stream, after everything queued before it.
+  // Writes a 64-bit word of this rank's header from the stream, after everything queued before it
+  // (copies into peers included: the write is ordered behind them, as a system-wide fence would).
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,

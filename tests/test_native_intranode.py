@@ -83,7 +83,9 @@ WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_w
 @pytest.mark.parametrize("combine_staging_tokens,names", [(0, SM_COMBINE_CASES), (1024, WRAPPING_STAGING_CASES)],
                          ids=["sm_combine", "two_staging_pieces"])
 def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
-    assert parallel_launch(RANKS, cases_rank, list(names), combine_staging_tokens) == [list(names)] * RANKS
+    in_order = [c["name"] for c in CASES if c["name"] in names]  # cases_rank runs them in CASES order
+    assert sorted(in_order) == sorted(names)
+    assert parallel_launch(RANKS, cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
 
 
 @needs_ranks(1)

@@ -2,11 +2,14 @@
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, piece by
-// piece, and after each piece writes o's `staged_arrived` word from the stream (runtime.cu). No SM
-// moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes tokens in order, waits
-// for the pieces that hold their copies, sums them with its own copy, and frees a piece's staging
-// slot for its sender once every row of it is summed. The last block to finish tells every sender
-// that o has released the staging area of this combine.
+// piece, and after each piece the stream counts it in the sender's own `staged_sent[o]` word
+// (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes
+// tokens in order, waits (reading the senders' headers over NVLink) for the pieces that hold their
+// copies, sums them with its own copy, and frees a piece's staging slot for its sender once every
+// row of it is summed. The last block to finish tells every sender that o has released the staging
+// area of this combine.
+// NOTE: the stream writes only local memory: the first version wrote the owner's header from the
+// stream (cuStreamWriteValue64 on the peer's mapping), and on 2x H200 those writes never showed up.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -37,11 +40,12 @@ struct SourceState {
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`,
 // after waiting for its piece; sets `piece`.
 __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
-                                                       Header* me, SourceState& state, int source, int pos,
-                                                       int& piece, const WaitSite& site) {
+                                                       SourceState& state, int source, int pos, int& piece,
+                                                       const WaitSite& site) {
+  const Header* sender = header_of(a.peer_buffers, source);
   if (!state.known) {
-    state.rows = static_cast<int>(wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site));
-    state.base = static_cast<int>(wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site));
+    state.rows = static_cast<int>(wait_for_epoch(&sender->staged_rows[a.rank], a.epoch, source, kWaitStagedRows, site));
+    state.base = static_cast<int>(wait_for_epoch(&sender->staged_base[a.rank], a.epoch, source, kWaitStagedRows, site));
     state.known = true;
   }
   const int index = pos - state.base;
@@ -49,7 +53,7 @@ __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a
   if (state.arrived <= static_cast<uint32_t>(piece)) {
     Deadline deadline(site);
     while (true) {
-      const uint64_t value = ld_acquire_sys(&me->staged_arrived[source]);
+      const uint64_t value = ld_acquire_sys(&sender->staged_sent[a.rank]);
       if (counter_epoch(value) == a.epoch) state.arrived = static_cast<uint32_t>(value);
       if (state.arrived > static_cast<uint32_t>(piece)) break;
       deadline.check(kWaitStagedRows, source, piece + 1, state.arrived);
@@ -94,7 +98,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
     int piece = -1;
     int64_t staged = -1;
-    if (is_source && pos >= 0) staged = wait_for_staged_row(a, layout, me, state, lane, pos, piece, site);
+    if (is_source && pos >= 0) staged = wait_for_staged_row(a, layout, state, lane, pos, piece, site);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
 
