@@ -11,6 +11,8 @@
 #              Later stages pass --ranks $BENCH_RANKS to the benchmarks where it is set.
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode tests), -k "$PYTEST_K" if set,
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
+#   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
+#              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
@@ -93,6 +95,10 @@ for s in $STAGES; do
       [ "$left" -lt "$TEST_TIMEOUT" ] && TEST_TIMEOUT=$left
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
+      ;;
+    staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
+      stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
+        tests/test_native_intranode.py -k "multi_rank and not one_rank"
       ;;
     timeouts)
       # -s shows the device's report and, with EP_PLUGIN_STACK_DUMP_S, each rank's Python stacks.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -72,10 +73,12 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_streams_[r], cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r], cudaEventDisableTiming));
   }
-  // The copy-engine combine signals from the stream; without the driver entry point a one-thread
-  // kernel writes the word instead.
+  // The copy-engine combine signals from the stream; without the driver entry point, or with
+  // EP_PLUGIN_STREAM_WRITES=kernel, a one-thread kernel writes the word instead.
+  const char* stream_writes = std::getenv("EP_PLUGIN_STREAM_WRITES");
   cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
+  if ((stream_writes != nullptr && std::string(stream_writes) == "kernel") ||
+      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
           cudaSuccess ||
       found != cudaDriverEntryPointSuccess)
     write_value64_ = nullptr;
