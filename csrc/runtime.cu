@@ -83,6 +83,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
       found != cudaDriverEntryPointSuccess)
     write_value64_ = nullptr;
   (void)cudaGetLastError();
+  if (staging_bytes > 0) preload_staged_combine();
   CUDA_CHECK(cudaDeviceSynchronize());
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
 }
@@ -214,6 +215,17 @@ void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream)
 int64_t IntranodeRuntime::staging_rows(int64_t staging_bytes, int hidden) const {
   if (staging_bytes > staging_bytes_) return 0;
   return intranode::StagingLayout::fit(num_ranks_, staging_offset_, staging_bytes, 2LL * hidden).rows_capacity();
+}
+
+void IntranodeRuntime::preload_staged_combine() {
+  // NOTE: on 2x H200 every copy-engine combine timed out until these kernels were loaded up front:
+  // the first launch of a kernel loads it, and the load waited for the running reduction, which
+  // waited for the very copies queued behind that launch.
+  intranode::load_staged_combine_kernels();
+  // One harmless run of each sender-side kernel, on this rank's own words (never read by a peer).
+  auto* header = reinterpret_cast<intranode::Header*>(buffer_);
+  wait_for_owner(&header->staged_released[rank_], 0, rank_, -1, nullptr);
+  intranode::launch_write_word(&header->staged_released[rank_], 0, nullptr);
 }
 
 void IntranodeRuntime::write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {

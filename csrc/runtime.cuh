@@ -70,6 +70,8 @@ class IntranodeRuntime {
   void require_connected() const;
   void require_buffer_fits(int64_t needed, const char* op) const;
   std::string describe_device_error() const;
+  // Loads and runs once the copy-engine combine's kernels, before any reduction can spin for them.
+  void preload_staged_combine();
   // Writes a 64-bit word of this rank's header from the stream, after everything queued before it
   // (copies into peers included: the write is ordered behind them, as a system-wide fence would).
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);

@@ -124,6 +124,10 @@ struct StagingWaitArgs {
   uint64_t timeout_ns;
 };
 void launch_staging_wait(const StagingWaitArgs& args, cudaStream_t stream);
+// Loads the kernels above now. CUDA loads a kernel on its first launch (lazy loading), and a load
+// may wait for the kernels already running: a reduction spinning for the copy streams' first waits
+// and writes would then never see them run.
+void load_staged_combine_kernels();
 // Writes `value` to `address` (a peer's header word) with release semantics, after the work queued before.
 void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
 

@@ -168,6 +168,13 @@ void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
+void load_staged_combine_kernels() {
+  cudaFuncAttributes attributes;
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staging_wait_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, write_word_kernel));
+}
+
 void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStream_t stream) {
   EP_CHECK_ARG(args.num_ranks >= 2 && args.num_ranks <= kMaxNvlPeers,
                "the copy-engine combine needs 2 to " << kMaxNvlPeers << " ranks, got " << args.num_ranks);
