@@ -72,12 +72,14 @@ class IntranodeRuntime {
   std::string describe_device_error() const;
   // Loads and runs once the copy-engine combine's kernels, before any reduction can spin for them.
   void preload_staged_combine();
-  // Writes a 64-bit word of this rank's header from the stream, after everything queued before it
-  // (copies into peers included: the write is ordered behind them, as a system-wide fence would).
+  // Writes a 64-bit header word (an owner's, through its mapping) from the stream, after everything
+  // queued before it (copies into peers included: the write is ordered behind them, as a system-wide
+  // fence would).
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
-                          int owner, int64_t first, int64_t rows, cudaStream_t stream);
+                          int owner, int64_t first, int64_t rows);
+  void create_copy_streams(int64_t staging_bytes);
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream);
   // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
@@ -90,8 +92,12 @@ class IntranodeRuntime {
   uint32_t staged_epoch_ = 0;
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  cudaStream_t copy_streams_[kMaxNvlPeers] = {};  // [owner]: the copy-engine combine's copies to it
-  cudaEvent_t copy_done_[kMaxNvlPeers] = {};
+  // The copy-engine combine's copies to each owner: pieces take turns over these streams.
+  static constexpr int kMaxCopyStreamsPerOwner = 8;
+  int copy_streams_per_owner_ = 1;
+  cudaStream_t copy_streams_[kMaxNvlPeers][kMaxCopyStreamsPerOwner] = {};  // [owner][k]
+  cudaEvent_t copy_done_[kMaxNvlPeers][kMaxCopyStreamsPerOwner] = {};
+  cudaEvent_t copy_ready_[kMaxNvlPeers] = {};  // [owner]: the owner has released the previous combine
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

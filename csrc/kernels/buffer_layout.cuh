@@ -50,14 +50,14 @@ struct Header {
   uint64_t tails[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [src][c][w]: written by src
   uint64_t heads[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [dst][c][w]: written by dst
   NotifyBlock notify[2][kMaxNvlPeers];                             // [epoch parity][src]
-  // Copy-engine combine; words are (combine epoch << 32) | value.
-  // Written by this rank's copy streams, into its own header (owners poll them over NVLink):
-  uint64_t staged_base[kMaxNvlPeers];                  // [dst]: this rank's first row of dst's block
-  uint64_t staged_rows[kMaxNvlPeers];                  // [dst]: rows this rank sends back to dst
-  uint64_t staged_sent[kMaxNvlPeers];                  // [dst]: pieces copied into dst's staging area
+  // Copy-engine combine; words are (combine epoch << 32) | value. Each word lives with its waiter.
+  // Written by the copy streams of sender src, into this (the owner's) header:
+  uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
+  uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
+  uint64_t staged_landed[kMaxNvlPeers][kMaxStagingSlots]; // [src][slot]: piece + 1 src has copied there
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
-  uint64_t staged_released[kMaxNvlPeers];              // [dst]: epoch whose staging dst has finished reading
+  uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
   // Local state, touched only by this rank's kernels.
   uint32_t notify_epoch;
   uint32_t op_epoch;

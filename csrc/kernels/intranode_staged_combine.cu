@@ -2,14 +2,12 @@
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, piece by
-// piece, and after each piece the stream counts it in the sender's own `staged_sent[o]` word
-// (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes
-// tokens in order, waits (reading the senders' headers over NVLink) for the pieces that hold their
-// copies, sums them with its own copy, and frees a piece's staging slot for its sender once every
-// row of it is summed. The last block to finish tells every sender that o has released the staging
-// area of this combine.
-// NOTE: the stream writes only local memory: the first version wrote the owner's header from the
-// stream (cuStreamWriteValue64 on the peer's mapping), and on 2x H200 those writes never showed up.
+// piece, over a few streams at once; after each piece its stream marks the piece landed in o's
+// header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
+// takes tokens in order, waits (on its own header) for the pieces that hold their copies, sums
+// them with its own copy, and frees a piece's staging slot for its sender once every row of it is
+// summed. The last block to finish tells every sender that o has released this combine's area.
+// Every progress word is written where its waiter polls it, so no wait reads across NVLink.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -31,35 +29,37 @@ __device__ __forceinline__ uint32_t wait_for_epoch(const uint64_t* word, uint32_
 
 // What lane s (a source rank) knows about source s's rows in this combine.
 struct SourceState {
-  bool known = false;     // base and rows read from the header
-  int base = 0;           // source's first row of this rank's block (its recv_rank_offsets[rank])
-  int rows = 0;           // rows of this rank's block
-  uint32_t arrived = 0;   // pieces seen landed
+  bool known = false;  // base and rows read from the header
+  int base = 0;        // source's first row of this rank's block (its recv_rank_offsets[rank])
+  int rows = 0;        // rows of this rank's block
+  int landed = -1;     // the last piece seen landed (a warp's pieces only grow)
 };
 
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`,
 // after waiting for its piece; sets `piece`.
 __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
-                                                       SourceState& state, int source, int pos, int& piece,
-                                                       const WaitSite& site) {
-  const Header* sender = header_of(a.peer_buffers, source);
+                                                       const Header* me, SourceState& state, int source, int pos,
+                                                       int& piece, const WaitSite& site) {
   if (!state.known) {
-    state.rows = static_cast<int>(wait_for_epoch(&sender->staged_rows[a.rank], a.epoch, source, kWaitStagedRows, site));
-    state.base = static_cast<int>(wait_for_epoch(&sender->staged_base[a.rank], a.epoch, source, kWaitStagedRows, site));
+    state.rows = static_cast<int>(wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site));
+    state.base = static_cast<int>(wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site));
     state.known = true;
   }
   const int index = pos - state.base;
   piece = index / layout.rows_per_piece;
-  if (state.arrived <= static_cast<uint32_t>(piece)) {
+  const int slot = piece % layout.num_slots;
+  if (state.landed != piece) {
+    // NOTE: pieces land out of order (several copy streams); the slot's word says which piece is in it.
+    const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(piece + 1));
     Deadline deadline(site);
     while (true) {
-      const uint64_t value = ld_acquire_sys(&sender->staged_sent[a.rank]);
-      if (counter_epoch(value) == a.epoch) state.arrived = static_cast<uint32_t>(value);
-      if (state.arrived > static_cast<uint32_t>(piece)) break;
-      deadline.check(kWaitStagedRows, source, piece + 1, state.arrived);
+      const uint64_t value = ld_acquire_sys(&me->staged_landed[source][slot]);
+      if (value >= target) break;
+      deadline.check(kWaitStagedRows, source, piece + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
     }
+    state.landed = piece;
   }
-  return static_cast<int64_t>(piece % layout.num_slots) * layout.rows_per_piece + index % layout.rows_per_piece;
+  return static_cast<int64_t>(slot) * layout.rows_per_piece + index % layout.rows_per_piece;
 }
 
 // Lane s: one more row of `piece` is summed; the last one frees the piece's slot for source s.
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
     int piece = -1;
     int64_t staged = -1;
-    if (is_source && pos >= 0) staged = wait_for_staged_row(a, layout, state, lane, pos, piece, site);
+    if (is_source && pos >= 0) staged = wait_for_staged_row(a, layout, me, state, lane, pos, piece, site);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
 
