@@ -144,14 +144,10 @@ void IntranodeRuntime::destroy() {
   cudaEventDestroy(fork_);
   cudaEventDestroy(join_);
   for (int r = 0; r < kMaxNvlPeers; ++r) {
-    for (int k = 0; k < kMaxCopyStreamsPerOwner; ++k) {
-      if (copy_streams_[r][k] != nullptr) cudaStreamDestroy(copy_streams_[r][k]);
-      if (copy_done_[r][k] != nullptr) cudaEventDestroy(copy_done_[r][k]);
-      copy_streams_[r][k] = nullptr;
-      copy_done_[r][k] = nullptr;
-    }
-    if (copy_ready_[r] != nullptr) cudaEventDestroy(copy_ready_[r]);
-    copy_ready_[r] = nullptr;
+    if (copy_streams_[r] != nullptr) cudaStreamDestroy(copy_streams_[r]);
+    if (copy_done_[r] != nullptr) cudaEventDestroy(copy_done_[r]);
+    copy_streams_[r] = nullptr;
+    copy_done_[r] = nullptr;
   }
   cudaFreeHost(const_cast<DeviceStatus*>(status_host_));
   cudaFree(buffer_);
@@ -218,19 +214,11 @@ int64_t IntranodeRuntime::staging_rows(int64_t staging_bytes, int hidden) const 
 }
 
 void IntranodeRuntime::create_copy_streams(int64_t staging_bytes) {
-  if (staging_bytes == 0 || num_ranks_ < 2) return;
-  // One copy engine moves a piece at about 265 GB/s on H200 (measured), short of NVLink: a few
-  // streams at once keep several engines busy. EP_PLUGIN_COPY_STREAMS (diagnostic) sets the total.
-  int total = 4;
-  if (const char* env = std::getenv("EP_PLUGIN_COPY_STREAMS")) total = std::atoi(env);
-  copy_streams_per_owner_ = std::max(1, std::min(kMaxCopyStreamsPerOwner, total / (num_ranks_ - 1)));
+  if (staging_bytes == 0) return;
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
-    CUDA_CHECK(cudaEventCreateWithFlags(&copy_ready_[r], cudaEventDisableTiming));
-    for (int k = 0; k < copy_streams_per_owner_; ++k) {
-      CUDA_CHECK(cudaStreamCreateWithFlags(&copy_streams_[r][k], cudaStreamNonBlocking));
-      CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r][k], cudaEventDisableTiming));
-    }
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_streams_[r], cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r], cudaEventDisableTiming));
   }
 }
 
@@ -279,9 +267,9 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
 
-  // The owner side sums on `side`; the rows for each owner go out on that owner's copy streams.
-  // NOTE: separate streams per owner: a sender that waits for one owner to free a slot must not hold
-  // back its rows for another owner, which may need them to free its own slots.
+  // The owner side sums on `side`; the rows for each owner go out on that owner's copy stream.
+  // NOTE: one stream per owner: a sender that waits for one owner to free a slot must not hold back
+  // its rows for another owner, which may need them to free its own slots.
   CUDA_CHECK(cudaEventRecord(fork_, stream));
   CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
   intranode::launch_staged_reduce(args, request.num_sms, side);
@@ -290,36 +278,37 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   int64_t first = 0;
   for (int r = 0; r < R; first += request.rows_from[r], ++r) {
     if (r == rank_) continue;
-    CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r][0], fork_, 0));
-    copy_rows_to_owner(args, layout, r, first, request.rows_from[r]);
-    for (int k = 0; k < copy_streams_per_owner_; ++k) {
-      CUDA_CHECK(cudaEventRecord(copy_done_[r][k], copy_streams_[r][k]));
-      CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r][k], 0));
-    }
+    CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
+    copy_rows_to_owner(args, layout, r, first, request.rows_from[r], copy_streams_[r]);
+    CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
   }
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
 }
 
 void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,
                                           const intranode::StagingLayout& layout, int owner, int64_t first,
-                                          int64_t rows) {
+                                          int64_t rows, cudaStream_t stream) {
   using intranode::staged_word;
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
   auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
   const uint32_t epoch = args.epoch;
-  cudaStream_t* streams = copy_streams_[owner];
-  // The owner must have finished reading the previous combine's staging area and words.
-  wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, streams[0]);
-  write_word(&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows)), streams[0]);
-  write_word(&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first)), streams[0]);
-  CUDA_CHECK(cudaEventRecord(copy_ready_[owner], streams[0]));
-  for (int k = 1; k < copy_streams_per_owner_; ++k) CUDA_CHECK(cudaStreamWaitEvent(streams[k], copy_ready_[owner], 0));
+  // The owner must have finished reading the previous combine's staging area and words; the wait
+  // then tells it this combine's block.
+  wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream,
+                 {&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows))},
+                 {&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first))});
 
   uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
+  const bool has_weights = args.topk_weights != nullptr && args.num_topk > 0;
+  const bool weights_whole = layout.weights_fit_whole(rows, args.num_topk);
+  // NOTE: one copy for all the weights: a small copy per piece cost ~5 us of the stream each.
+  if (has_weights && weights_whole && rows > 0)
+    CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(0, args.num_topk), args.topk_weights + first * args.num_topk,
+                               rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t num_pieces = (rows + layout.rows_per_piece - 1) / layout.rows_per_piece;
   for (int64_t piece = 0; piece < num_pieces; ++piece) {
-    cudaStream_t stream = streams[piece % copy_streams_per_owner_];
     const int slot = static_cast<int>(piece % layout.num_slots);
     if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
       wait_for_owner(&mine->staged_freed[owner][slot],
@@ -329,7 +318,7 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
     const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                                count * row_bytes, cudaMemcpyDeviceToDevice, stream));
-    if (args.topk_weights != nullptr && args.num_topk > 0)
+    if (has_weights && !weights_whole)
       CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
                                  args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
                                  cudaMemcpyDeviceToDevice, stream));
@@ -337,8 +326,8 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
   }
 }
 
-void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot,
-                                      cudaStream_t stream) {
+void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
+                                      intranode::WordWrite then_0, intranode::WordWrite then_1) {
   intranode::StagingWaitArgs wait{};
   wait.word = word;
   wait.target = target;
@@ -348,6 +337,8 @@ void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int
   wait.status = status_device_;
   wait.claim = &reinterpret_cast<intranode::Header*>(buffer_)->error_claim;
   wait.timeout_ns = timeout_ns_;
+  wait.then_write[0] = then_0;
+  wait.then_write[1] = then_1;
   intranode::launch_staging_wait(wait, stream);
 }
 

@@ -78,10 +78,12 @@ class IntranodeRuntime {
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
-                          int owner, int64_t first, int64_t rows);
+                          int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
-  void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream);
+  // Then it makes the writes given (a sender's words in the owner's header).
+  void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
+                      intranode::WordWrite then_0 = {}, intranode::WordWrite then_1 = {});
   // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
   // error later surfaces in the user's program.
   void watch_for_device_errors();
@@ -92,12 +94,10 @@ class IntranodeRuntime {
   uint32_t staged_epoch_ = 0;
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  // The copy-engine combine's copies to each owner: pieces take turns over these streams.
-  static constexpr int kMaxCopyStreamsPerOwner = 8;
-  int copy_streams_per_owner_ = 1;
-  cudaStream_t copy_streams_[kMaxNvlPeers][kMaxCopyStreamsPerOwner] = {};  // [owner][k]
-  cudaEvent_t copy_done_[kMaxNvlPeers][kMaxCopyStreamsPerOwner] = {};
-  cudaEvent_t copy_ready_[kMaxNvlPeers] = {};  // [owner]: the owner has released the previous combine
+  // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,
+  // the copies to one peer share its engine).
+  cudaStream_t copy_streams_[kMaxNvlPeers] = {};  // [owner]
+  cudaEvent_t copy_done_[kMaxNvlPeers] = {};
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

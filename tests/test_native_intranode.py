@@ -38,7 +38,9 @@ CASES = NORMAL_MODE_CASES + (
        dict(name="small_ring", T=700, H=4096, K=8, E=64, config=Config(24, 2, 16), combine_config=Config(24, 2, 16)),
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
        dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
-       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64))]
+       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64)),
+       # More rows x top-k than a two-piece staging area's weights hold: each piece then carries its own.
+       dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64)]
 )
 
 
@@ -76,7 +78,8 @@ def test_cases_multi_rank():
 # (512 rows each), so that senders of more rows wait for the owner to free pieces.
 SM_COMBINE_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "topk1", "topk9", "experts256", "routing_minus_one",
                     "routing_one_rank", "empty_rank", "no_weights", "bias2", "small_ring", "sms2", "large")
-WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank")
+WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank",
+                          "topk32_many_rows")
 
 
 @needs_ranks(RANKS)

@@ -113,12 +113,19 @@ struct StagedReduceArgs {
 };
 void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStream_t stream);
 
+// A word to write, with release semantics, once a wait is over (word nullptr: nothing).
+struct WordWrite {
+  uint64_t* word = nullptr;
+  uint64_t value = 0;
+};
+
 // One thread waits until *word >= target: a sender's view of an owner's progress (peer = the owner).
 struct StagingWaitArgs {
   const uint64_t* word;
   uint64_t target;
   int peer, slot;                   // slot: the staging slot waited for, or -1 (the whole area)
   int rank;
+  WordWrite then_write[2];          // written once the wait is over
   DeviceStatus* status;
   int* claim;
   uint64_t timeout_ns;

@@ -150,6 +150,11 @@ struct StagingLayout {
   }
   // Within a region: the row and weights of staged row `index` (slot * rows_per_piece + row in piece).
   __host__ __device__ int64_t row_offset(int64_t index) const { return index * row_bytes; }
+  // Whether all `rows` rows' weights fit the weights area at once: then one copy carries them before
+  // the first piece, indexed by row of the block; otherwise each piece carries its own, by staged index.
+  __host__ __device__ bool weights_fit_whole(int64_t rows, int num_topk) const {
+    return rows * num_topk <= rows_capacity() * kMaxTopk;
+  }
   __host__ __device__ int64_t weights_offset(int64_t index, int num_topk) const {
     return rows_capacity() * row_bytes + index * num_topk * 4;
   }

@@ -36,10 +36,10 @@ struct SourceState {
 };
 
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`,
-// after waiting for its piece; sets `piece`.
+// after waiting for its piece; sets `piece` and `weights_index` (where the row's top-k weights are).
 __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
                                                        const Header* me, SourceState& state, int source, int pos,
-                                                       int& piece, const WaitSite& site) {
+                                                       int& piece, int64_t& weights_index, const WaitSite& site) {
   if (!state.known) {
     state.rows = static_cast<int>(wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site));
     state.base = static_cast<int>(wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site));
@@ -59,7 +59,9 @@ __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a
     }
     state.landed = piece;
   }
-  return static_cast<int64_t>(slot) * layout.rows_per_piece + index % layout.rows_per_piece;
+  const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece + index % layout.rows_per_piece;
+  weights_index = layout.weights_fit_whole(state.rows, a.num_topk) ? index : staged;
+  return staged;
 }
 
 // Lane s: one more row of `piece` is summed; the last one frees the piece's slot for source s.
@@ -97,8 +99,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   for (int t = blockIdx.x * kWarpsPerChannel + warp; t < a.num_tokens; t += num_warps) {
     const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
     int piece = -1;
-    int64_t staged = -1;
-    if (is_source && pos >= 0) staged = wait_for_staged_row(a, layout, me, state, lane, pos, piece, site);
+    int64_t staged = -1, weights_index = -1;
+    if (is_source && pos >= 0)
+      staged = wait_for_staged_row(a, layout, me, state, lane, pos, piece, weights_index, site);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
 
@@ -108,6 +111,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     for (int r = 0; r < kMaxNvlPeers; ++r) {
       const int row = shfl(pos, r < R ? r : 0);
       const int64_t index = shfl(staged, r < R ? r : 0);
+      const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
       const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(region), r < R ? r : 0));
       src[r] = nullptr;
       src_weights[r] = nullptr;
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
         src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
       } else {
         src[r] = reinterpret_cast<const int4*>(base + layout.row_offset(index));
-        src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(index, a.num_topk));
+        src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
       }
     }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
@@ -154,6 +158,9 @@ __global__ void staging_wait_kernel(StagingWaitArgs a) {
     deadline.check(kWaitStagingFree, a.peer, static_cast<int64_t>(a.target & 0xffffffffu),
                    same_epoch ? static_cast<int64_t>(value & 0xffffffffu) : 0);
   }
+  // NOTE: writing here saves the stream a write of its own (each costs the copy stream ~5 us).
+  for (const WordWrite& then : a.then_write)
+    if (then.word != nullptr) st_release_sys(then.word, then.value);
 }
 
 __global__ void write_word_kernel(uint64_t* address, uint64_t value) {
