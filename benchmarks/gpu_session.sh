@@ -11,9 +11,12 @@
 #              Later stages pass --ranks $BENCH_RANKS to the benchmarks where it is set.
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode tests), -k "$PYTEST_K" if set,
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
+#   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
+#              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
-#   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run
+#   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
+#              BF16 at 24 SMs with the combine on the SMs only (buffer.combine_staging_tokens: 0)
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
@@ -93,6 +96,10 @@ for s in $STAGES; do
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
       ;;
+    staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
+      stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
+        tests/test_native_intranode.py -k "multi_rank and not one_rank"
+      ;;
     timeouts)
       # -s shows the device's report and, with EP_PLUGIN_STACK_DUMP_S, each rank's Python stacks.
       for f in ${TIMEOUTS_FILES:-tests/test_native_intranode.py tests/test_native_low_latency.py tests/test_native_internode.py}; do
@@ -109,6 +116,9 @@ for s in $STAGES; do
       bench fp8_sms24 --num-sms 24 --dtype fp8
       bench bf16_sms16 --num-sms 16 --dtype bf16
       bench fp8_sms16 --num-sms 16 --dtype fp8
+      # The combine on the SMs alone (no copy-engine staging area), for comparison in the same call.
+      printf 'buffer: {combine_staging_tokens: 0}\n' > /tmp/sm_combine.yaml
+      bench bf16_sms24_sm_combine --num-sms 24 --dtype bf16 --config /tmp/sm_combine.yaml --no-baseline
       ;;
     tuning)  # ring and chunk sizes (dispatch and combine alike), 24 SMs
       for pair in ${TUNING_PAIRS:-8:256 16:512}; do

@@ -126,13 +126,35 @@ void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_token
   runtime.combine(args, as_stream(stream));
 }
 
+void runtime_staged_combine(IntranodeRuntime& runtime, int num_tokens, int hidden, int num_topk, uintptr_t x,
+                            uintptr_t topk_weights, uintptr_t send_pos, uintptr_t bias_0, uintptr_t bias_1,
+                            uintptr_t combined_x, uintptr_t combined_topk_weights, const std::vector<int>& rows_from,
+                            int64_t staging_bytes, int num_sms, uintptr_t stream, uintptr_t side_stream) {
+  StagedCombineRequest request{};
+  intranode::StagedReduceArgs& args = request.reduce;
+  args.num_tokens = num_tokens;
+  args.hidden = hidden;
+  args.num_topk = num_topk;
+  args.x = pointer<const uint8_t>(x, "x", false, 16);
+  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
+  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
+  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
+  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
+  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
+  args.combined_topk_weights = pointer<float>(combined_topk_weights, "combined_topk_weights", false);
+  request.rows_from = rows_from;
+  request.staging_bytes = staging_bytes;
+  request.num_sms = num_sms;
+  runtime.staged_combine(request, as_stream(stream), as_stream(side_stream));
+}
+
 py::tuple runtime_wait_notify(IntranodeRuntime& runtime, int tag, int num_local_experts, uintptr_t stream) {
   NotifyResult result;
   {
     py::gil_scoped_release release;  // other Python threads may run while the host spins
     result = runtime.wait_notify(tag, num_local_experts, as_stream(stream));
   }
-  return py::make_tuple(result.num_recv_tokens, result.num_recv_tokens_per_expert);
+  return py::make_tuple(result.num_recv_tokens, result.num_recv_tokens_per_rank, result.num_recv_tokens_per_expert);
 }
 
 }  // namespace
@@ -156,10 +178,20 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WARPS_PER_CHANNEL") = intranode::kWarpsPerChannel;
   m.attr("SLOT_META_BYTES") = intranode::kSlotMetaBytes;
   m.attr("NVL_HEADER_BYTES") = intranode::kHeaderBytes;
+  m.attr("STAGING_ROWS_PER_PIECE") = intranode::kStagingRowsPerPiece;
+  m.attr("MAX_STAGING_SLOTS") = intranode::kMaxStagingSlots;
 
   m.def("nvl_buffer_size_hint", &intranode::nvl_buffer_size_hint, py::arg("payload_bytes"), py::arg("num_ranks"),
         py::arg("num_sms"), py::arg("recv_tokens_per_channel"),
         "Bytes of NVLink buffer for rows of payload_bytes (pure function, no GPU needed).");
+
+  m.def(
+      "staging_rows",
+      [](int num_ranks, int64_t staging_bytes, int hidden) {
+        return intranode::StagingLayout::fit(num_ranks, 0, staging_bytes, 2LL * hidden).rows_capacity();
+      },
+      py::arg("num_ranks"), py::arg("staging_bytes"), py::arg("hidden"),
+      "Rows per peer a copy-engine staging area of staging_bytes holds (pure function, no GPU needed).");
 
   m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
@@ -171,10 +203,13 @@ PYBIND11_MODULE(_C, m) {
         "out[n] = sum of rows[index[n, s]] over s with index >= 0 (bf16 rows, fp32 sums).");
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
-      .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),
-           py::arg("timeout_s"))
+      .def(py::init<int, int, int64_t, double, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0)
       .def_property_readonly("device", &IntranodeRuntime::device)
       .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
+      .def_property_readonly("staging_bytes", &IntranodeRuntime::staging_bytes)
+      .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
+           "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })
       .def("connect", [](IntranodeRuntime& self, const std::vector<py::bytes>& handles) {
         std::vector<std::string> raw(handles.begin(), handles.end());
@@ -198,5 +233,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
            py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
            py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
-           py::arg("stream"));
+           py::arg("stream"))
+      .def("staged_combine", &runtime_staged_combine, py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"),
+           py::arg("x"), py::arg("topk_weights"), py::arg("send_pos"), py::arg("bias_0"), py::arg("bias_1"),
+           py::arg("combined_x"), py::arg("combined_topk_weights"), py::arg("rows_from"), py::arg("staging_bytes"),
+           py::arg("num_sms"), py::arg("stream"), py::arg("side_stream"),
+           "Combine through the copy engines (see IntranodeRuntime::staged_combine); releases the GIL.",
+           py::call_guard<py::gil_scoped_release>());
 }

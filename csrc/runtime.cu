@@ -1,7 +1,11 @@
 #include "runtime.cuh"
 
+#include <cuda.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -28,13 +32,18 @@ const char* wait_name(int kind) {
     case kWaitFreeSlot: return "ring space (the peer is not consuming)";
     case kWaitData: return "the next token (the peer is not sending)";
     case kWaitDrain: return "the last tokens to be consumed";
+    case kWaitStagedRows: return "its rows of this combine (copy-engine path: the peer has not copied them)";
+    case kWaitStagingFree: return "its staging area (copy-engine path: the peer is still summing an earlier piece)";
     default: return "a signal";
   }
 }
 
 }  // namespace
 
-IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
+using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s,
+                                   int64_t staging_bytes)
     : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s) {
   EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxNvlPeers,
                "the intranode runtime supports 1 to " << kMaxNvlPeers << " ranks, got " << num_ranks);
@@ -43,9 +52,12 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
                "num_nvl_bytes must be at least " << intranode::kHeaderBytes << " (got " << num_nvl_bytes
                                                  << "); see Config.get_nvl_buffer_size_hint");
   EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
+  EP_CHECK_ARG(staging_bytes >= 0, "staging_bytes must be >= 0, got " << staging_bytes);
   timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
+  staging_offset_ = (num_nvl_bytes + 255) / 256 * 256;
+  staging_bytes_ = staging_bytes;
   CUDA_CHECK(cudaGetDevice(&device_));
-  CUDA_CHECK(cudaMalloc(&buffer_, num_nvl_bytes));
+  CUDA_CHECK(cudaMalloc(&buffer_, staging_bytes > 0 ? staging_offset_ + staging_bytes : num_nvl_bytes));
   // NOTE: counters are epoch-tagged and never reset later; they must start at zero on every rank
   // before any peer can write them (the caller barriers after this constructor).
   CUDA_CHECK(cudaMemset(buffer_, 0, intranode::kHeaderBytes));
@@ -54,6 +66,20 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   status_host_->bad_input_rank = -1;
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&peer_buffers_device_), sizeof(void*) * kMaxNvlPeers));
+  CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  create_copy_streams(staging_bytes);
+  // The copy-engine combine signals from the stream; without the driver entry point, or with
+  // EP_PLUGIN_STREAM_WRITES=kernel, a one-thread kernel writes the word instead.
+  const char* stream_writes = std::getenv("EP_PLUGIN_STREAM_WRITES");
+  cudaDriverEntryPointQueryResult found;
+  if ((stream_writes != nullptr && std::string(stream_writes) == "kernel") ||
+      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    write_value64_ = nullptr;
+  (void)cudaGetLastError();
+  if (staging_bytes > 0) preload_staged_combine();
   CUDA_CHECK(cudaDeviceSynchronize());
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
 }
@@ -115,6 +141,14 @@ void IntranodeRuntime::destroy() {
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
   cudaFree(peer_buffers_device_);
+  cudaEventDestroy(fork_);
+  cudaEventDestroy(join_);
+  for (int r = 0; r < kMaxNvlPeers; ++r) {
+    if (copy_streams_[r] != nullptr) cudaStreamDestroy(copy_streams_[r]);
+    if (copy_done_[r] != nullptr) cudaEventDestroy(copy_done_[r]);
+    copy_streams_[r] = nullptr;
+    copy_done_[r] = nullptr;
+  }
   cudaFreeHost(const_cast<DeviceStatus*>(status_host_));
   cudaFree(buffer_);
   buffer_ = nullptr;
@@ -172,6 +206,140 @@ void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream)
                                      intranode::slot_bytes_for(2LL * args.hidden)};
   require_buffer_fits(layout.total_bytes(), "combine");
   intranode::launch_combine(args, stream);
+}
+
+int64_t IntranodeRuntime::staging_rows(int64_t staging_bytes, int hidden) const {
+  if (staging_bytes > staging_bytes_) return 0;
+  return intranode::StagingLayout::fit(num_ranks_, staging_offset_, staging_bytes, 2LL * hidden).rows_capacity();
+}
+
+void IntranodeRuntime::create_copy_streams(int64_t staging_bytes) {
+  if (staging_bytes == 0) return;
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_streams_[r], cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r], cudaEventDisableTiming));
+  }
+}
+
+void IntranodeRuntime::preload_staged_combine() {
+  // NOTE: on 2x H200 every copy-engine combine timed out until these kernels were loaded up front:
+  // the first launch of a kernel loads it, and the load waited for the running reduction, which
+  // waited for the very copies queued behind that launch.
+  intranode::load_staged_combine_kernels();
+  // One harmless run of each sender-side kernel, on this rank's own words (never read by a peer).
+  auto* header = reinterpret_cast<intranode::Header*>(buffer_);
+  wait_for_owner(&header->staged_released[rank_], 0, rank_, -1, nullptr);
+  intranode::launch_write_word(&header->staged_released[rank_], 0, nullptr);
+}
+
+void IntranodeRuntime::write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {
+  if (write_value64_ == nullptr) {
+    intranode::launch_write_word(address, value, stream);
+    return;
+  }
+  // NOTE: the default flags put a memory barrier before the write: the copies queued before it are
+  // visible to whoever reads the new value.
+  const CUresult result = reinterpret_cast<WriteValue64>(write_value64_)(
+      reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, 0);
+  if (result != CUDA_SUCCESS) {
+    Text out;
+    out << "ep_plugin: rank " << rank_ << ": cuStreamWriteValue64 failed with CUresult " << static_cast<int>(result);
+    throw Error(out.str());
+  }
+}
+
+void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t stream, cudaStream_t side) {
+  require_connected();
+  const int R = num_ranks_;
+  intranode::StagedReduceArgs& args = request.reduce;
+  EP_CHECK_ARG(static_cast<int>(request.rows_from.size()) == R, "rows_from needs one count per rank");
+  EP_CHECK_ARG(request.staging_bytes > 0 && request.staging_bytes <= staging_bytes_,
+               "staging_bytes must be in (0, " << staging_bytes_ << "], got " << request.staging_bytes);
+  const auto layout = intranode::StagingLayout::fit(R, staging_offset_, request.staging_bytes, 2LL * args.hidden);
+  EP_CHECK_ARG(layout.num_slots >= 2, "the staging area holds fewer than two pieces of rows of hidden " << args.hidden);
+  args.peer_buffers = peer_buffers_device_;
+  args.rank = rank_;
+  args.num_ranks = R;
+  args.staging_offset = staging_offset_;
+  args.staging_bytes = request.staging_bytes;
+  args.epoch = ++staged_epoch_;
+  args.status = status_device_;
+  args.timeout_ns = timeout_ns_;
+
+  // The owner side sums on `side`; the rows for each owner go out on that owner's copy stream.
+  // NOTE: one stream per owner: a sender that waits for one owner to free a slot must not hold back
+  // its rows for another owner, which may need them to free its own slots.
+  CUDA_CHECK(cudaEventRecord(fork_, stream));
+  CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
+  intranode::launch_staged_reduce(args, request.num_sms, side);
+  CUDA_CHECK(cudaEventRecord(join_, side));
+  // Rows received from rank r are rows [first, first + rows_from[r]) of x: they go back to r.
+  int64_t first = 0;
+  for (int r = 0; r < R; first += request.rows_from[r], ++r) {
+    if (r == rank_) continue;
+    CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
+    copy_rows_to_owner(args, layout, r, first, request.rows_from[r], copy_streams_[r]);
+    CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
+  }
+  CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+}
+
+void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,
+                                          const intranode::StagingLayout& layout, int owner, int64_t first,
+                                          int64_t rows, cudaStream_t stream) {
+  using intranode::staged_word;
+  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
+  auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
+  const uint32_t epoch = args.epoch;
+  // The owner must have finished reading the previous combine's staging area and words; the wait
+  // then tells it this combine's block.
+  wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream,
+                 {&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows))},
+                 {&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first))});
+
+  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
+  const bool has_weights = args.topk_weights != nullptr && args.num_topk > 0;
+  const bool weights_whole = layout.weights_fit_whole(rows, args.num_topk);
+  // NOTE: one copy for all the weights: a small copy per piece cost ~5 us of the stream each.
+  if (has_weights && weights_whole && rows > 0)
+    CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(0, args.num_topk), args.topk_weights + first * args.num_topk,
+                               rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
+  const int64_t row_bytes = 2LL * args.hidden;
+  const int64_t num_pieces = (rows + layout.rows_per_piece - 1) / layout.rows_per_piece;
+  for (int64_t piece = 0; piece < num_pieces; ++piece) {
+    const int slot = static_cast<int>(piece % layout.num_slots);
+    if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
+      wait_for_owner(&mine->staged_freed[owner][slot],
+                     staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
+    const int64_t row = first + piece * layout.rows_per_piece;
+    const int64_t count = std::min<int64_t>(layout.rows_per_piece, rows - piece * layout.rows_per_piece);
+    const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
+    CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
+                               count * row_bytes, cudaMemcpyDeviceToDevice, stream));
+    if (has_weights && !weights_whole)
+      CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
+                                 args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
+                                 cudaMemcpyDeviceToDevice, stream));
+    write_word(&theirs->staged_landed[rank_][slot], staged_word(epoch, static_cast<uint32_t>(piece + 1)), stream);
+  }
+}
+
+void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
+                                      intranode::WordWrite then_0, intranode::WordWrite then_1) {
+  intranode::StagingWaitArgs wait{};
+  wait.word = word;
+  wait.target = target;
+  wait.peer = owner;
+  wait.slot = slot;
+  wait.rank = rank_;
+  wait.status = status_device_;
+  wait.claim = &reinterpret_cast<intranode::Header*>(buffer_)->error_claim;
+  wait.timeout_ns = timeout_ns_;
+  wait.then_write[0] = then_0;
+  wait.then_write[1] = then_1;
+  intranode::launch_staging_wait(wait, stream);
 }
 
 std::string IntranodeRuntime::describe_device_error() const {
@@ -233,6 +401,8 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
   }
   NotifyResult result;
   result.num_recv_tokens = status_host_->num_recv_tokens;
+  result.num_recv_tokens_per_rank.resize(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) result.num_recv_tokens_per_rank[r] = status_host_->num_recv_tokens_per_rank[r];
   result.num_recv_tokens_per_expert.resize(num_local_experts);
   for (int e = 0; e < num_local_experts; ++e)
     result.num_recv_tokens_per_expert[e] = status_host_->num_recv_tokens_per_expert[e];

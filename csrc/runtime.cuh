@@ -11,17 +11,28 @@
 
 #include "common/status.h"
 #include "kernels/api.cuh"
+#include "kernels/buffer_layout.cuh"
 
 namespace ep_plugin {
 
 struct NotifyResult {
   int num_recv_tokens;
+  std::vector<int> num_recv_tokens_per_rank;
   std::vector<int> num_recv_tokens_per_expert;
+};
+
+// A copy-engine combine (see IntranodeRuntime::staged_combine).
+struct StagedCombineRequest {
+  intranode::StagedReduceArgs reduce;  // the caller fills tokens, sizes, inputs and outputs
+  int64_t staging_bytes;               // the smallest staging area of all ranks
+  std::vector<int> rows_from;          // [R]: rows this rank received from each rank (recv order)
+  int num_sms;                         // SMs of the reduction
 };
 
 class IntranodeRuntime {
  public:
-  IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s);
+  // `staging_bytes` past the ring buffer hold the copy-engine combine's incoming rows (0: none).
+  IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, int64_t staging_bytes = 0);
   ~IntranodeRuntime();
   IntranodeRuntime(const IntranodeRuntime&) = delete;
   IntranodeRuntime& operator=(const IntranodeRuntime&) = delete;
@@ -30,6 +41,9 @@ class IntranodeRuntime {
   int num_ranks() const { return num_ranks_; }
   int device() const { return device_; }
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
+  int64_t staging_bytes() const { return staging_bytes_; }
+  // Rows per peer the staging area holds at `hidden` with `staging_bytes` (0: too small to use).
+  int64_t staging_rows(int64_t staging_bytes, int hidden) const;
 
   // CUDA IPC handle of this rank's buffer (bytes to exchange over the process group).
   std::string ipc_handle() const;
@@ -42,6 +56,10 @@ class IntranodeRuntime {
   void notify(intranode::NotifyArgs args, cudaStream_t stream);
   void dispatch(intranode::DispatchArgs args, cudaStream_t stream);
   void combine(intranode::CombineArgs args, cudaStream_t stream);
+  // Combine through the copy engines: each rank copies its rows for every owner into the owner's
+  // staging area on `stream` while the owner's SMs sum them on `side`; `stream` then waits for `side`.
+  // Needs the host to know the received rows per source (a dispatch that synchronised with the host).
+  void staged_combine(StagedCombineRequest request, cudaStream_t stream, cudaStream_t side);
 
   // Host wait for the notify published with `tag`; raises on bad input, device errors and timeout.
   NotifyResult wait_notify(int tag, int num_local_experts, cudaStream_t stream);
@@ -52,12 +70,34 @@ class IntranodeRuntime {
   void require_connected() const;
   void require_buffer_fits(int64_t needed, const char* op) const;
   std::string describe_device_error() const;
+  // Loads and runs once the copy-engine combine's kernels, before any reduction can spin for them.
+  void preload_staged_combine();
+  // Writes a 64-bit header word (an owner's, through its mapping) from the stream, after everything
+  // queued before it (copies into peers included: the write is ordered behind them, as a system-wide
+  // fence would).
+  void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
+  // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
+  void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                          int owner, int64_t first, int64_t rows, cudaStream_t stream);
+  void create_copy_streams(int64_t staging_bytes);
+  // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
+  // Then it makes the writes given (a sender's words in the owner's header).
+  void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
+                      intranode::WordWrite then_0 = {}, intranode::WordWrite then_1 = {});
   // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
   // error later surfaces in the user's program.
   void watch_for_device_errors();
 
   int rank_, num_ranks_, device_;
   int64_t num_nvl_bytes_;
+  int64_t staging_offset_ = 0, staging_bytes_ = 0;
+  uint32_t staged_epoch_ = 0;
+  void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,
+  // the copies to one peer share its engine).
+  cudaStream_t copy_streams_[kMaxNvlPeers] = {};  // [owner]
+  cudaEvent_t copy_done_[kMaxNvlPeers] = {};
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

@@ -235,7 +235,8 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
         results[prefix + "dispatch_cached"] = dict(times_us=cached_times, recv_bytes=num_recv * bytes_per_token,
                                                    link_bytes=(num_recv - own) * bytes_per_token)
         results[prefix + "combine"] = dict(times_us=combine_times, recv_bytes=num_recv * combine_bytes_per_token,
-                                           link_bytes=(num_recv - own) * combine_bytes_per_token)
+                                           link_bytes=(num_recv - own) * combine_bytes_per_token,
+                                           path=getattr(buf._backend, "last_combine_path", "") or buf.backend_name)
     backend_name = buffer.backend_name
     for buf in (buffer, reference):
         if buf is not None:
@@ -345,6 +346,8 @@ def aggregate(per_rank: List[dict]) -> Dict[str, dict]:
         links = [r["ops"][name]["link_bytes"] for r in per_rank]
         entry["link_gbps"] = None if links[0] is None else sum(
             b / (st["median_us"] * 1e-6) / 1e9 for b, st in zip(links, stats)) / len(stats)
+        if "path" in per_rank[0]["ops"][name]:
+            entry["path"] = per_rank[0]["ops"][name]["path"]
         ops[name] = entry
     return ops
 
@@ -379,8 +382,9 @@ def format_table(run: dict) -> str:
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
         link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
+        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") else ""
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
-                     f"{_gbps(e['algo_gbps']):>12}{link:>12}")
+                     f"{_gbps(e['algo_gbps']):>12}{link:>12}{path}")
     return "\n".join(lines)
 
 

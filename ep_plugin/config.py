@@ -53,6 +53,7 @@ class BufferSection:
     max_hidden: int = 7168
     num_nvl_bytes: Union[int, str] = AUTO
     num_rdma_bytes: Union[int, str] = AUTO
+    combine_staging_tokens: int = 4096
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,8 @@ def _validate_section(source: Optional[str], name: str, value: Any):
         merged["max_hidden"] = _check_int(source, k("max_hidden"), merged["max_hidden"], minimum=8, maximum=1 << 20)
         for sub in ("num_nvl_bytes", "num_rdma_bytes"):
             merged[sub] = _check_int(source, k(sub), merged[sub], minimum=0, allow_auto=True)
+        merged["combine_staging_tokens"] = _check_int(source, k("combine_staging_tokens"),
+                                                      merged["combine_staging_tokens"], minimum=0, maximum=32768)
     elif cls is LowLatencySection:
         merged["max_dispatch_tokens_per_rank"] = _check_int(
             source, k("max_dispatch_tokens_per_rank"), merged["max_dispatch_tokens_per_rank"], minimum=1, maximum=1 << 16)

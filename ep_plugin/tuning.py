@@ -17,6 +17,10 @@ MAX_LOCAL_EXPERTS = 1024       # experts per rank reported by the notify step
 WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring each
 SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
 NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
+# The copy-engine combine's staging area (StagingLayout): per peer, up to 64 slots of 512-row pieces;
+# a row is its bf16 hidden plus room for MAX_TOPK float weights.
+STAGING_ROWS_PER_PIECE = 512
+MAX_STAGING_SLOTS = 64
 
 # Low-latency mode (csrc/kernels/low_latency_layout.cuh): a token's payload crosses to a rank once,
 # each (token, expert) message is a 4-byte index entry; a signal header of two rounds x 2 x 65536 u64
@@ -48,6 +52,29 @@ def slots_per_sub_ring(num_max_nvl_chunked_recv_tokens: int) -> int:
 
 def nvl_slot_bytes(payload_bytes: int) -> int:
     return SLOT_META_BYTES + _align(payload_bytes, 16)
+
+
+def staging_bytes(buffer, num_ranks: int) -> int:
+    """Bytes of the copy-engine combine's staging area for the `buffer` config section.
+
+    Room for `buffer.combine_staging_tokens` rows (rounded up to whole pieces, at least two, at
+    most MAX_STAGING_SLOTS) of `buffer.max_hidden` from every other rank of the NVLink domain;
+    0 when the key is 0 or there is no other rank.
+    """
+    peers = min(num_ranks, NUM_MAX_NVL_PEERS) - 1
+    if peers < 1 or buffer.combine_staging_tokens == 0:
+        return 0
+    pieces = min(MAX_STAGING_SLOTS, max(2, math.ceil(buffer.combine_staging_tokens / STAGING_ROWS_PER_PIECE)))
+    return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
+
+
+def staging_rows(staging_bytes_: int, num_ranks: int, hidden: int) -> int:
+    """Rows per peer that `staging_bytes_` hold at `hidden` (0: fewer than two pieces)."""
+    if num_ranks < 2:
+        return 0
+    piece_bytes = STAGING_ROWS_PER_PIECE * (2 * hidden + 4 * MAX_TOPK)
+    slots = min(MAX_STAGING_SLOTS, staging_bytes_ // (num_ranks - 1) // piece_bytes)
+    return 0 if slots < 2 else slots * STAGING_ROWS_PER_PIECE
 
 
 class Config:

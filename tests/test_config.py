@@ -194,6 +194,8 @@ ERRORS = [
     ("buffer: {num_nvl_bytes: -1}", "buffer.num_nvl_bytes", "must be >= 0"),
     ("buffer: {num_rdma_bytes: -5}", "buffer.num_rdma_bytes", "must be >= 0"),
     ("buffer: {num_rdma_bytes: big}", "buffer.num_rdma_bytes", "expected an integer or 'auto'"),
+    ("buffer: {combine_staging_tokens: -1}", "buffer.combine_staging_tokens", "must be >= 0"),
+    ("buffer: {combine_staging_tokens: 40000}", "buffer.combine_staging_tokens", "must be <= 32768"),
     # tuning
     ("dispatch: {nvl_chunked_send_tokens: 0}", "dispatch.nvl_chunked_send_tokens", "must be >= 1"),
     ("dispatch: {nvl_chunked_recv_tokens: 1.5}", "dispatch.nvl_chunked_recv_tokens", "expected an integer or null"),

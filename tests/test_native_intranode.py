@@ -20,12 +20,13 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 20.0,
-                 check_inputs: bool = True):
+                 check_inputs: bool = True, combine_staging_tokens: int = 4096):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
                     config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
-                            "check_inputs": check_inputs})
+                            "check_inputs": check_inputs,
+                            "buffer": {"max_hidden": max_hidden, "combine_staging_tokens": combine_staging_tokens}})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference"})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
@@ -37,17 +38,27 @@ CASES = NORMAL_MODE_CASES + (
        dict(name="small_ring", T=700, H=4096, K=8, E=64, config=Config(24, 2, 16), combine_config=Config(24, 2, 16)),
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
        dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
-       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64))]
+       dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64)),
+       # More rows x top-k than a two-piece staging area's weights hold: each piece then carries its own.
+       dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64)]
 )
 
 
-def cases_rank(rank: int, R: int, group, names) -> list:
+def expected_combine_path(case: dict, R: int, combine_staging_tokens: int) -> str:
+    """The copy engines carry a combine when the dispatch told the host its counts (no num_worst_tokens)."""
+    staged = R > 1 and combine_staging_tokens > 0 and "num_worst_slack" not in case
+    return "copy_engine" if staged else "sm"
+
+
+def cases_rank(rank: int, R: int, group, names, combine_staging_tokens: int = 4096) -> list:
     torch.manual_seed(rank)
-    native, reference = make_buffers(group)
+    native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens)
     done = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
         try:
             run_case(native, reference, rank, R, case, seed=1000 + i)
+            path = native._backend.last_combine_path
+            assert path == expected_combine_path(case, R, combine_staging_tokens), f"combine ran on the {path} path"
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -61,6 +72,23 @@ def cases_rank(rank: int, R: int, group, names) -> list:
 def test_cases_multi_rank():
     names = [c["name"] for c in CASES]
     assert parallel_launch(RANKS, cases_rank, names) == [names] * RANKS
+
+
+# The same cases with the combine on the SMs (no staging area), and with a staging area of two pieces
+# (512 rows each), so that senders of more rows wait for the owner to free pieces.
+SM_COMBINE_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "topk1", "topk9", "experts256", "routing_minus_one",
+                    "routing_one_rank", "empty_rank", "no_weights", "bias2", "small_ring", "sms2", "large")
+WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank",
+                          "topk32_many_rows")
+
+
+@needs_ranks(RANKS)
+@pytest.mark.parametrize("combine_staging_tokens,names", [(0, SM_COMBINE_CASES), (1024, WRAPPING_STAGING_CASES)],
+                         ids=["sm_combine", "two_staging_pieces"])
+def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
+    in_order = [c["name"] for c in CASES if c["name"] in names]  # cases_rank runs them in CASES order
+    assert sorted(in_order) == sorted(names)
+    assert parallel_launch(RANKS, cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
 
 
 @needs_ranks(1)
@@ -174,21 +202,23 @@ def test_1000_back_to_back_iterations():
 
 # ---- failures: a missing peer, bad input ------------------------------------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
-    native, _ = make_buffers(group, timeout_s=3.0)
+    native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096)
     case = dict(T=64, H=2048, K=4, E=16)
     x, topk_idx, weights = make_inputs(rank, R, case, seed=1)
     layout = native.get_dispatch_layout(topk_idx, 16)
     kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                   topk_idx=topk_idx, topk_weights=weights)
-    return missing_peer_scenario(native, rank, op, x, kwargs, absent_s=8)
+    return missing_peer_scenario(native, rank, op.removesuffix("_sm"), x, kwargs, absent_s=8)
 
 
 @needs_ranks(RANKS, own_gpus=True)
-@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_sm"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
     results = parallel_launch(RANKS, missing_peer_rank, op)
     assert results[1] == "absent"
     assert "rank 0" in results[0] and "peer 1" in results[0] and "timeout" in results[0], results[0]
+    # The copy-engine combine says what rank 0 waited for: the peer's rows.
+    assert ("copy-engine path" in results[0]) == (op == "combine"), results[0]
 
 
 def bad_id_rank(rank: int, R: int, group) -> str:

@@ -17,6 +17,26 @@ def test_limits_match_the_extension():
     assert tuning.WARPS_PER_CHANNEL == _C.WARPS_PER_CHANNEL
     assert tuning.SLOT_META_BYTES == _C.SLOT_META_BYTES
     assert tuning.NVL_HEADER_BYTES == _C.NVL_HEADER_BYTES
+    assert tuning.STAGING_ROWS_PER_PIECE == _C.STAGING_ROWS_PER_PIECE
+    assert tuning.MAX_STAGING_SLOTS == _C.MAX_STAGING_SLOTS
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_staging_rows_match_the_kernels(num_ranks):
+    for size, hidden in itertools.product([0, 1 << 20, 15 << 20, 59 << 20, 1 << 32], [8, 2048, 7168, 8192]):
+        assert tuning.staging_rows(size, num_ranks, hidden) == _C.staging_rows(num_ranks, size, hidden)
+
+
+@pytest.mark.parametrize("tokens,max_hidden", [(4096, 7168), (1000, 2048), (100, 7168), (40000, 4096)])
+def test_staging_area_holds_the_configured_rows(tokens, max_hidden):
+    from ep_plugin.config import BufferSection
+    section = BufferSection(max_hidden=max_hidden, combine_staging_tokens=tokens)
+    for num_ranks in (2, 4, 8):
+        rows = tuning.staging_rows(tuning.staging_bytes(section, num_ranks), num_ranks, max_hidden)
+        expected = min(tuning.MAX_STAGING_SLOTS, max(2, -(-tokens // 512))) * 512
+        assert rows == expected
+    assert tuning.staging_bytes(section, 1) == 0
+    assert tuning.staging_bytes(BufferSection(combine_staging_tokens=0), 8) == 0
 
 
 @pytest.mark.parametrize("hidden_bytes,num_ranks", itertools.product([16, 3072, 5760, 14336, 16384], [1, 2, 4, 8, 16]))

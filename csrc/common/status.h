@@ -34,6 +34,8 @@ enum WaitKind : int32_t {
   kWaitData = 3,       // receiver: the peer has not sent the next token
   kWaitDrain = 4,      // sender: the peer has not consumed the last tokens
   kWaitExpertMessages = 5,  // low-latency receiver: the peer's messages (or count) for an expert
+  kWaitStagedRows = 6,      // copy-engine combine, owner: a piece of the peer's rows has not landed
+  kWaitStagingFree = 7,     // copy-engine combine, sender: the peer still reads its staging area
 };
 
 struct DeviceStatus {
@@ -54,6 +56,7 @@ struct DeviceStatus {
   volatile int32_t bad_input_rank;   // -1, or the rank whose input was rejected
   volatile int32_t bad_input_code;
   volatile int64_t bad_input_detail[3];
+  volatile int32_t num_recv_tokens_per_rank[kMaxNvlPeers];  // rows received from each source rank
   volatile int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
 };
 

@@ -94,5 +94,49 @@ struct CombineArgs {
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
+// ---- copy-engine combine (intranode_staged_combine.cu; the copies are issued by runtime.cu) ---------
+struct StagedReduceArgs {
+  void* const* peer_buffers;
+  int rank, num_ranks;
+  int64_t staging_offset, staging_bytes;  // StagingLayout::fit of every rank's buffer
+  uint32_t epoch;                   // this combine's number, the same on every rank
+  int num_tokens, hidden, num_topk;
+  const void* x;                    // [rows, hidden] bf16: this rank's own copies
+  const float* topk_weights;        // [rows, K] or nullptr
+  const int32_t* send_pos;          // [T, R]
+  const void* bias_0;               // [T, hidden] bf16 or nullptr
+  const void* bias_1;
+  void* combined_x;                 // [T, hidden] bf16
+  float* combined_topk_weights;     // [T, K] or nullptr
+  DeviceStatus* status;
+  uint64_t timeout_ns;
+};
+void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStream_t stream);
+
+// A word to write, with release semantics, once a wait is over (word nullptr: nothing).
+struct WordWrite {
+  uint64_t* word = nullptr;
+  uint64_t value = 0;
+};
+
+// One thread waits until *word >= target: a sender's view of an owner's progress (peer = the owner).
+struct StagingWaitArgs {
+  const uint64_t* word;
+  uint64_t target;
+  int peer, slot;                   // slot: the staging slot waited for, or -1 (the whole area)
+  int rank;
+  WordWrite then_write[2];          // written once the wait is over
+  DeviceStatus* status;
+  int* claim;
+  uint64_t timeout_ns;
+};
+void launch_staging_wait(const StagingWaitArgs& args, cudaStream_t stream);
+// Loads the kernels above now. CUDA loads a kernel on its first launch (lazy loading), and a load
+// may wait for the kernels already running: a reduction spinning for the copy streams' first waits
+// and writes would then never see them run.
+void load_staged_combine_kernels();
+// Writes `value` to `address` (a peer's header word) with release semantics, after the work queued before.
+void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
+
 }  // namespace intranode
 }  // namespace ep_plugin

@@ -1,9 +1,11 @@
 // How a rank's NVLink buffer is carved. The single source of truth for the native kernels; the
 // Python size hints (ep_plugin/tuning.py) mirror it and a test keeps the two equal.
 //
-// [ Header (kHeaderBytes) | rings written by peer 0 | ... by peer R-2 ]
+// [ Header (kHeaderBytes) | rings written by peer 0 | ... by peer R-2 ] ... [ staging (optional) ]
 // Rings: for each writing peer, channel and warp one sub-ring of `slots` slots; a slot is
 // [ SlotMeta (272 B) | payload: row bytes, then float scales ].
+// Staging (copy-engine combine, past num_nvl_bytes): for each writing peer, `num_slots` pieces of
+// `rows_per_piece` bf16 rows, then the same pieces' top-k weights (see StagingLayout).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,8 @@ constexpr int kMaxTopk = 32;
 constexpr int kWarpsPerChannel = 16;
 constexpr int kThreadsPerBlock = kWarpsPerChannel * 32;
 constexpr int64_t kHeaderBytes = 1 << 20;
+constexpr int kMaxStagingSlots = 64;
+constexpr int kStagingRowsPerPiece = 512;  // rows per copy-engine transfer (and per arrival signal)
 
 struct SlotMeta {
   int32_t row;        // destination row in recv_x
@@ -46,11 +50,21 @@ struct Header {
   uint64_t tails[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [src][c][w]: written by src
   uint64_t heads[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [dst][c][w]: written by dst
   NotifyBlock notify[2][kMaxNvlPeers];                             // [epoch parity][src]
+  // Copy-engine combine; words are (combine epoch << 32) | value. Each word lives with its waiter.
+  // Written by the copy streams of sender src, into this (the owner's) header:
+  uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
+  uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
+  uint64_t staged_landed[kMaxNvlPeers][kMaxStagingSlots]; // [src][slot]: piece + 1 src has copied there
+  // Written by the owner dst's reduction kernel, into this (the sender's) header:
+  uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
+  uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
   // Local state, touched only by this rank's kernels.
   uint32_t notify_epoch;
   uint32_t op_epoch;
   uint32_t blocks_done;
   int32_t error_claim;
+  uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
+  uint32_t staged_blocks_done;
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 
@@ -67,6 +81,10 @@ __host__ __device__ constexpr int64_t slot_bytes_for(int64_t payload_bytes) {
 
 __host__ __device__ constexpr uint64_t pack_counter(uint32_t epoch, uint32_t count, bool done) {
   return (static_cast<uint64_t>(epoch) << 32) | (done ? 0x80000000ull : 0ull) | (count & 0x7fffffffu);
+}
+// Copy-engine combine words: (combine epoch << 32) | a 32-bit value.
+__host__ __device__ constexpr uint64_t staged_word(uint32_t epoch, uint32_t value) {
+  return (static_cast<uint64_t>(epoch) << 32) | value;
 }
 __host__ __device__ constexpr uint32_t counter_epoch(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
 __host__ __device__ constexpr uint32_t counter_count(uint64_t word) { return static_cast<uint32_t>(word) & 0x7fffffffu; }
@@ -97,6 +115,48 @@ struct RingLayout {
     int peer_index = writer < owner ? writer : writer - 1;
     return kHeaderBytes +
            ((static_cast<int64_t>(peer_index) * num_channels + channel) * kWarpsPerChannel + warp) * ring_bytes();
+  }
+};
+
+// The copy-engine combine's staging area in the owner's buffer: for each writing peer, `num_slots`
+// pieces of `rows_per_piece` bf16 rows of `row_bytes`, then room for kMaxTopk float weights per row
+// (a call packs its top-k weights num_topk per row, as one copy of topk_weights' rows). Piece g
+// of a combine lands in slot g % num_slots; a sender reuses a slot once the owner has freed it.
+struct StagingLayout {
+  int num_ranks;
+  int64_t offset;      // first byte of the staging area in the buffer
+  int64_t row_bytes;   // 2 * hidden
+  int rows_per_piece;
+  int num_slots;
+
+  // What fits into `staging_bytes`, for rows of `row_bytes`; num_slots == 0 when not even two pieces fit.
+  __host__ __device__ static StagingLayout fit(int num_ranks, int64_t offset, int64_t staging_bytes, int64_t row_bytes) {
+    StagingLayout layout{num_ranks, offset, row_bytes, kStagingRowsPerPiece, 0};
+    if (num_ranks > 1) {
+      const int64_t per_peer = staging_bytes / (num_ranks - 1);
+      const int64_t slots = per_peer / layout.piece_bytes();
+      layout.num_slots = slots < 2 ? 0 : (slots > kMaxStagingSlots ? kMaxStagingSlots : static_cast<int>(slots));
+    }
+    return layout;
+  }
+  __host__ __device__ int64_t piece_bytes() const { return rows_per_piece * (row_bytes + kMaxTopk * 4); }
+  __host__ __device__ int64_t rows_capacity() const { return static_cast<int64_t>(num_slots) * rows_per_piece; }
+  __host__ __device__ int64_t peer_bytes() const { return num_slots * piece_bytes(); }
+
+  // The region of `owner`'s buffer that `writer` fills.
+  __host__ __device__ int64_t region_offset(int owner, int writer) const {
+    const int peer_index = writer < owner ? writer : writer - 1;
+    return offset + peer_index * peer_bytes();
+  }
+  // Within a region: the row and weights of staged row `index` (slot * rows_per_piece + row in piece).
+  __host__ __device__ int64_t row_offset(int64_t index) const { return index * row_bytes; }
+  // Whether all `rows` rows' weights fit the weights area at once: then one copy carries them before
+  // the first piece, indexed by row of the block; otherwise each piece carries its own, by staged index.
+  __host__ __device__ bool weights_fit_whole(int64_t rows, int num_topk) const {
+    return rows * num_topk <= rows_capacity() * kMaxTopk;
+  }
+  __host__ __device__ int64_t weights_offset(int64_t index, int num_topk) const {
+    return rows_capacity() * row_bytes + index * num_topk * 4;
   }
 };
 

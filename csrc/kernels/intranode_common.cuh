@@ -1,6 +1,7 @@
 // Pieces shared by the intranode dispatch and combine kernels.
 #pragma once
 
+#include "../common/bf16.cuh"
 #include "../common/copy.cuh"
 #include "../common/device_status.cuh"
 #include "../common/ptx.cuh"
@@ -10,6 +11,63 @@ namespace ep_plugin::intranode {
 
 __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank) {
   return reinterpret_cast<Header*>(peer_buffers[rank]);
+}
+
+// A combine's receiver loads kSourcesInFlight copies of kCombineUnroll 16-byte units per lane before
+// summing them: a token's copies come from different ranks, so their loads need not wait for each other.
+// (Loading one copy at a time measured 611 us against 413 us at 4096 x 7168 on 24 SMs, 2 ranks.)
+constexpr int kCombineUnroll = 4;
+constexpr int kSourcesInFlight = 2;
+
+// One warp sums a token's copies (src[r] is rank r's copy, or nullptr) in fp32, adds the optional
+// biases and stores the bf16 row. Rank `own`'s copy is user memory, read through the read-only path;
+// the others were written by peers into this rank's buffer and are read from L2.
+__device__ __forceinline__ void sum_token_copies(const int4* const (&src)[kMaxNvlPeers], int own, int num_units,
+                                                 const int4* bias_0, const int4* bias_1, int4* out) {
+  const int lane = lane_id();
+  for (int base = 0; base < num_units; base += 32 * kCombineUnroll) {
+    float acc[kCombineUnroll][8] = {};
+#pragma unroll
+    for (int r0 = 0; r0 < kMaxNvlPeers; r0 += kSourcesInFlight) {
+      int4 values[kSourcesInFlight][kCombineUnroll];
+#pragma unroll
+      for (int s = 0; s < kSourcesInFlight; ++s) {
+        if (src[r0 + s] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < num_units) values[s][u] = r0 + s == own ? ld_nc_v4(src[r0 + s] + i) : ld_cg_v4(src[r0 + s] + i);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < kSourcesInFlight; ++s) {
+        if (src[r0 + s] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u)
+          if (base + u * 32 + lane < num_units) add_bf16x8(acc[u], values[s][u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i >= num_units) continue;
+      if (bias_0 != nullptr) add_bf16x8(acc[u], ld_nc_v4(bias_0 + i));
+      if (bias_1 != nullptr) add_bf16x8(acc[u], ld_nc_v4(bias_1 + i));
+      st_na_v4(out + i, to_bf16x8(acc[u]));
+    }
+  }
+}
+
+// Lane k < num_topk sums weight k over a token's copies (as sum_token_copies) into out[k].
+__device__ __forceinline__ void sum_token_weights(const float* const (&src)[kMaxNvlPeers], int own, int num_topk,
+                                                  float* out) {
+  const int lane = lane_id();
+  if (lane >= num_topk) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxNvlPeers; ++r)
+    if (src[r] != nullptr) sum += r == own ? src[r][lane] : ld_cg_f32(src[r] + lane);
+  out[lane] = sum;
 }
 
 // Last block out advances the operation epoch that tags every ring counter.

@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   if (tid == 0) {
     if (args.host_tag > 0) {
       args.status->num_recv_tokens = *args.num_recv_tokens;
+      for (int s = 0; s < R; ++s) args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
       args.status->bad_input_rank = bad_rank;
       if (bad_rank >= 0) {
         args.status->bad_input_code = blocks[bad_rank].bad_input_code;

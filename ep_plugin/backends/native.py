@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import Config, default_combine_config, default_dispatch_config
+from ..tuning import Config, default_combine_config, default_dispatch_config, staging_bytes
 from .base import Backend, GroupInfo
 
 try:
@@ -149,6 +149,7 @@ class NativeHandle:
     src_num_tokens: torch.Tensor     # [R] int32: T of every rank
     recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
     num_recv_device: torch.Tensor    # [1] int32
+    num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
 
 
 @dataclass(eq=False)
@@ -194,6 +195,9 @@ class NativeBackend(Backend):
         if reason:
             raise RuntimeError(f"native backend unavailable: {reason}")
         self._runtime = None
+        self._staging_bytes = 0
+        self._side_stream: Optional[torch.cuda.Stream] = None
+        self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self._ll = None
         self._ll_parity = 0
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
@@ -204,10 +208,14 @@ class NativeBackend(Backend):
             self._runtime = self._start_node_runtime(num_nvl_bytes)
             self._net = self._start_internode(num_rdma_bytes)
         elif not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
-            self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s)
-            handles: List[Optional[bytes]] = [None] * info.num_ranks
-            dist.all_gather_object(handles, self._runtime.ipc_handle(), group=info.group)
-            self._runtime.connect(handles)
+            # The copy-engine combine's staging area: only for buffers made for normal mode.
+            staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
+            self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging)
+            peers: List[Optional[Tuple[bytes, int]]] = [None] * info.num_ranks
+            dist.all_gather_object(peers, (self._runtime.ipc_handle(), staging), group=info.group)
+            self._runtime.connect([handle for handle, _ in peers])
+            # Every rank carves its peers' staging areas alike: by the smallest of them.
+            self._staging_bytes = min(size for _, size in peers)
         if low_latency_mode:
             self._ll = self._start_low_latency(num_rdma_bytes)
         self._num_device_sms = torch.cuda.get_device_properties(info.device).multi_processor_count
@@ -365,11 +373,11 @@ class NativeBackend(Backend):
                                  src_num_tokens=_address(src_num_tokens), num_recv_tokens=_address(num_recv_device),
                                  host_tag=host_tag, stream=stream)
         if num_worst_tokens == 0:
-            num_recv, per_expert = self._intranode().wait_notify(tag=host_tag, num_local_experts=num_local_experts,
-                                                                 stream=stream)
+            num_recv, per_rank, per_expert = self._intranode().wait_notify(
+                tag=host_tag, num_local_experts=num_local_experts, stream=stream)
             rows = num_recv
         else:
-            num_recv, per_expert, rows = None, [], num_worst_tokens
+            num_recv, per_rank, per_expert, rows = None, None, [], num_worst_tokens
 
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
         recv_scales = None if x_scales is None else self._empty(rows, x_scales.size(1), dtype=torch.float32)
@@ -382,7 +390,8 @@ class NativeBackend(Backend):
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
-                              recv_src_idx=recv_src_idx, num_recv_device=num_recv_device)
+                              recv_src_idx=recv_src_idx, num_recv_device=num_recv_device,
+                              num_recv_per_rank=per_rank)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
@@ -417,6 +426,11 @@ class NativeBackend(Backend):
         T = handle.num_tokens
         combined_x = self._empty(T, x.size(1), dtype=torch.bfloat16)
         combined_weights = None if topk_weights is None else self._empty(T, topk_weights.size(1), dtype=torch.float32)
+        if self._copy_engine_combine_possible(handle, x.size(1)):
+            self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
+            self.last_combine_path = "copy_engine"
+            return combined_x, combined_weights
+        self.last_combine_path = "sm"
         self._intranode().combine(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=T, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
@@ -426,6 +440,32 @@ class NativeBackend(Backend):
             combined_x=_address(combined_x), combined_topk_weights=_address(combined_weights),
             stream=self._stream())
         return combined_x, combined_weights
+
+    def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
+        """Whether this combine goes through the copy engines (the same answer on every rank).
+
+        It needs the received rows per source on the host (a dispatch that waited for its counts,
+        not `num_worst_tokens`), a staging area that holds two pieces of rows, and no graph capture:
+        the host numbers each combine, and a replayed graph would repeat the numbers.
+        """
+        return (self._staging_bytes > 0 and handle.num_recv_per_rank is not None and self.info.num_ranks > 1
+                and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _staged_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, combined_x, combined_weights,
+                        config: Config) -> None:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.info.device)
+        # The reduction uses the config's SMs but leaves one per peer free: each copy stream waits for
+        # its owner in a one-thread kernel beside the reduction. The copies use no SM.
+        num_sms = min(config.num_sms, self._num_device_sms - (self.info.num_ranks - 1))
+        self._intranode().staged_combine(
+            num_tokens=handle.num_tokens, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
+            x=_address(x), topk_weights=_address(topk_weights), send_pos=_address(handle.send_pos),
+            bias_0=_address(bias_0), bias_1=_address(bias_1), combined_x=_address(combined_x),
+            combined_topk_weights=_address(combined_weights), rows_from=handle.num_recv_per_rank,
+            staging_bytes=self._staging_bytes, num_sms=num_sms, stream=self._stream(),
+            side_stream=self._side_stream.cuda_stream)
 
     # ---- internode normal mode (network leg + intranode stage) ------------------------------------
     def _check_internode_sms(self, num_channels: int) -> None:
