@@ -53,7 +53,7 @@ class BufferSection:
     max_hidden: int = 7168
     num_nvl_bytes: Union[int, str] = AUTO
     num_rdma_bytes: Union[int, str] = AUTO
-    combine_staging_tokens: int = 4096
+    combine_staging_tokens: Union[int, str] = AUTO
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,8 @@ def _validate_section(source: Optional[str], name: str, value: Any):
         for sub in ("num_nvl_bytes", "num_rdma_bytes"):
             merged[sub] = _check_int(source, k(sub), merged[sub], minimum=0, allow_auto=True)
         merged["combine_staging_tokens"] = _check_int(source, k("combine_staging_tokens"),
-                                                      merged["combine_staging_tokens"], minimum=0, maximum=32768)
+                                                      merged["combine_staging_tokens"], minimum=0, maximum=32768,
+                                                      allow_auto=True)
     elif cls is LowLatencySection:
         merged["max_dispatch_tokens_per_rank"] = _check_int(
             source, k("max_dispatch_tokens_per_rank"), merged["max_dispatch_tokens_per_rank"], minimum=1, maximum=1 << 16)

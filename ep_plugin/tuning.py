@@ -54,17 +54,31 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
     return SLOT_META_BYTES + _align(payload_bytes, 16)
 
 
+# `buffer.combine_staging_tokens: auto`: the copy-engine combine where it has run on GPUs (2 ranks
+# on 2x H200), 4096 rows per peer; the SM combine (no staging area) at more ranks.
+AUTO_STAGING_TOKENS = 4096
+AUTO_STAGING_MAX_RANKS = 2
+
+
+def staging_tokens(buffer, num_ranks: int) -> int:
+    """Rows per peer of the copy-engine combine's staging area that `buffer` asks for (0: none)."""
+    if buffer.combine_staging_tokens == "auto":
+        return AUTO_STAGING_TOKENS if num_ranks <= AUTO_STAGING_MAX_RANKS else 0
+    return int(buffer.combine_staging_tokens)
+
+
 def staging_bytes(buffer, num_ranks: int) -> int:
     """Bytes of the copy-engine combine's staging area for the `buffer` config section.
 
-    Room for `buffer.combine_staging_tokens` rows (rounded up to whole pieces, at least two, at
-    most MAX_STAGING_SLOTS) of `buffer.max_hidden` from every other rank of the NVLink domain;
-    0 when the key is 0 or there is no other rank.
+    Room for `staging_tokens` rows (rounded up to whole pieces, at least two, at most
+    MAX_STAGING_SLOTS) of `buffer.max_hidden` from every other rank of the NVLink domain;
+    0 when that is 0 or there is no other rank.
     """
     peers = min(num_ranks, NUM_MAX_NVL_PEERS) - 1
-    if peers < 1 or buffer.combine_staging_tokens == 0:
+    tokens = staging_tokens(buffer, num_ranks)
+    if peers < 1 or tokens == 0:
         return 0
-    pieces = min(MAX_STAGING_SLOTS, max(2, math.ceil(buffer.combine_staging_tokens / STAGING_ROWS_PER_PIECE)))
+    pieces = min(MAX_STAGING_SLOTS, max(2, math.ceil(tokens / STAGING_ROWS_PER_PIECE)))
     return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
 
 

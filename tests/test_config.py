@@ -196,6 +196,7 @@ ERRORS = [
     ("buffer: {num_rdma_bytes: big}", "buffer.num_rdma_bytes", "expected an integer or 'auto'"),
     ("buffer: {combine_staging_tokens: -1}", "buffer.combine_staging_tokens", "must be >= 0"),
     ("buffer: {combine_staging_tokens: 40000}", "buffer.combine_staging_tokens", "must be <= 32768"),
+    ("buffer: {combine_staging_tokens: many}", "buffer.combine_staging_tokens", "expected an integer or 'auto'"),
     # tuning
     ("dispatch: {nvl_chunked_send_tokens: 0}", "dispatch.nvl_chunked_send_tokens", "must be >= 1"),
     ("dispatch: {nvl_chunked_recv_tokens: 1.5}", "dispatch.nvl_chunked_recv_tokens", "expected an integer or null"),

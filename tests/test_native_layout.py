@@ -39,6 +39,18 @@ def test_staging_area_holds_the_configured_rows(tokens, max_hidden):
     assert tuning.staging_bytes(BufferSection(combine_staging_tokens=0), 8) == 0
 
 
+def test_auto_staging_only_where_the_copy_engine_combine_ran_on_gpus():
+    from ep_plugin.config import BufferSection
+    auto = BufferSection()
+    assert auto.combine_staging_tokens == "auto"
+    assert tuning.staging_rows(tuning.staging_bytes(auto, 2), 2, auto.max_hidden) == 4096
+    for num_ranks in (1, 4, 8):
+        assert tuning.staging_bytes(auto, num_ranks) == 0
+    # An explicit size turns it on at any rank count.
+    explicit = BufferSection(combine_staging_tokens=1024)
+    assert tuning.staging_rows(tuning.staging_bytes(explicit, 8), 8, explicit.max_hidden) == 1024
+
+
 @pytest.mark.parametrize("hidden_bytes,num_ranks", itertools.product([16, 3072, 5760, 14336, 16384], [1, 2, 4, 8, 16]))
 def test_nvl_size_hint_matches_the_kernels(hidden_bytes, num_ranks):
     for num_sms, recv_tokens in itertools.product([2, 16, 24, 48, 128], [1, 16, 64, 250, 256]):
