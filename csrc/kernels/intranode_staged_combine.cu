@@ -2,8 +2,8 @@
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, piece by
-// piece, over a few streams at once; after each piece its stream marks the piece landed in o's
-// header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
+// piece on one stream per owner; after each piece the stream marks it landed in o's header
+// (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
 // takes tokens in order, waits (on its own header) for the pieces that hold their copies, sums
 // them with its own copy, and frees a piece's staging slot for its sender once every row of it is
 // summed. The last block to finish tells every sender that o has released this combine's area.
@@ -49,7 +49,7 @@ __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a
   piece = index / layout.rows_per_piece;
   const int slot = piece % layout.num_slots;
   if (state.landed != piece) {
-    // NOTE: pieces land out of order (several copy streams); the slot's word says which piece is in it.
+    // The slot's word names the last piece that landed in it (a slot holds piece, piece + slots, ...).
     const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(piece + 1));
     Deadline deadline(site);
     while (true) {
