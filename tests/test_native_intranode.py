@@ -20,7 +20,7 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 20.0,
-                 check_inputs: bool = True, combine_staging_tokens: int = 4096):
+                 check_inputs: bool = True, combine_staging_tokens=4096):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
@@ -44,13 +44,14 @@ CASES = NORMAL_MODE_CASES + (
 )
 
 
-def expected_combine_path(case: dict, R: int, combine_staging_tokens: int) -> str:
+def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     """The copy engines carry a combine when the dispatch told the host its counts (no num_worst_tokens)."""
-    staged = R > 1 and combine_staging_tokens > 0 and "num_worst_slack" not in case
+    tokens = 4096 if combine_staging_tokens == "auto" and R == 2 else combine_staging_tokens
+    staged = R > 1 and tokens not in (0, "auto") and "num_worst_slack" not in case
     return "copy_engine" if staged else "sm"
 
 
-def cases_rank(rank: int, R: int, group, names, combine_staging_tokens: int = 4096) -> list:
+def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens)
     done = []
@@ -74,8 +75,9 @@ def test_cases_multi_rank():
     assert parallel_launch(RANKS, cases_rank, names) == [names] * RANKS
 
 
-# The same cases with the combine on the SMs (no staging area), and with a staging area of two pieces
-# (512 rows each), so that senders of more rows wait for the owner to free pieces.
+# The same cases with the combine on the SMs (no staging area), with a staging area of two pieces
+# (512 rows each), so that senders of more rows wait for the owner to free pieces, and with the
+# default `auto` (the copy engines at 2 ranks, the SMs at more).
 SM_COMBINE_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "topk1", "topk9", "experts256", "routing_minus_one",
                     "routing_one_rank", "empty_rank", "no_weights", "bias2", "small_ring", "sms2", "large")
 WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank",
@@ -83,8 +85,9 @@ WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_w
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("combine_staging_tokens,names", [(0, SM_COMBINE_CASES), (1024, WRAPPING_STAGING_CASES)],
-                         ids=["sm_combine", "two_staging_pieces"])
+@pytest.mark.parametrize("combine_staging_tokens,names", [(0, SM_COMBINE_CASES), (1024, WRAPPING_STAGING_CASES),
+                                                         ("auto", ("hidden7168", "num_worst", "large"))],
+                         ids=["sm_combine", "two_staging_pieces", "auto_staging"])
 def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
     in_order = [c["name"] for c in CASES if c["name"] in names]  # cases_rank runs them in CASES order
     assert sorted(in_order) == sorted(names)
