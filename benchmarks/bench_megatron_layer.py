@@ -192,7 +192,9 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
         extra = {}
         buffer = getattr(layer.token_dispatcher, "buffer", None)
         if buffer is not None:
-            extra = {"backend": buffer.backend_name, "num_sms": buffer.num_sms}
+            extra = {"backend": buffer.backend_name, "num_sms": buffer.num_sms,
+                     # "copy_engine" or "sm" for the native intranode combine (its last call)
+                     "combine_path": getattr(buffer._backend, "last_combine_path", "")}
         if args.profile_dir:
             _profile_layer_steps(lambda: _layer_step(layer, x, grad), name, rank, args.profile_dir)
         results[name] = {"dispatcher_ms": _summary(dispatcher_ms), "layer_step_ms": _summary(layer_ms),
