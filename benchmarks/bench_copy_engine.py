@@ -13,18 +13,21 @@ pieces taking turns over the streams, and prints GB/s per direction (median of `
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
+import glob
+import os
+import site
 import statistics
 from typing import List
 
 import torch
 
 
-def _load_cudart():
+@functools.lru_cache(maxsize=None)
+def _cudart() -> ctypes.CDLL:
     """The CUDA runtime torch uses (its cudaMemcpyAsync has none of torch's cross-device syncs)."""
-    import ctypes
-    import glob
-    import os
-    roots = [os.path.dirname(torch.__file__)] + [os.path.join(p, "nvidia") for p in __import__("site").getsitepackages()]
+    roots = [os.path.dirname(torch.__file__)] + [os.path.join(p, "nvidia") for p in site.getsitepackages()]
     for root in roots:
         for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)):
             try:
@@ -34,13 +37,11 @@ def _load_cudart():
     return ctypes.CDLL("libcudart.so")
 
 
-_CUDART = None
 _DEVICE_TO_DEVICE = 3
 
 
 def _memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    import ctypes
-    rc = _CUDART.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+    rc = _cudart().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
                                  ctypes.c_int(_DEVICE_TO_DEVICE), ctypes.c_void_p(stream))
     if rc != 0:
         raise RuntimeError(f"cudaMemcpyAsync failed with {rc}")
@@ -101,12 +102,10 @@ def main() -> int:
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_copy_engine needs 2 GPUs")
-    global _CUDART
-    _CUDART = _load_cudart()
     torch.cuda.init()
     for g in (0, 1):  # as a CUDA IPC mapping does, so that the copies go peer to peer
-        _CUDART.cudaSetDevice(g)
-        _CUDART.cudaDeviceEnablePeerAccess(1 - g, 0)  # 704: already enabled
+        _cudart().cudaSetDevice(g)
+        _cudart().cudaDeviceEnablePeerAccess(1 - g, 0)  # 704: already enabled
     print(f"device: {torch.cuda.get_device_name(0)} x2, {args.total_mb} MB per direction per round, both directions at once")
     print("piece MB  " + "".join(f"{s:>3} stream(s) GB/s " for s in args.streams))
     for size in args.sizes_mb:
