@@ -13,6 +13,8 @@
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
 #   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
 #              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
+#   copysweep  the copy-engine combine's diagnostics, BF16 at 24 SMs: EP_PLUGIN_PIECES_PER_COPY over
+#              COPY_SWEEP_PIECES (default "1 2 4 8"), then EP_PLUGIN_STREAM_WRITES=nobarrier and =kernel
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
@@ -95,6 +97,14 @@ for s in $STAGES; do
       [ "$left" -lt "$TEST_TIMEOUT" ] && TEST_TIMEOUT=$left
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
+      ;;
+    copysweep)
+      for pieces in ${COPY_SWEEP_PIECES:-1 2 4 8}; do
+        EP_PLUGIN_PIECES_PER_COPY=$pieces bench copy_pieces$pieces --num-sms 24 --dtype bf16 --no-baseline
+      done
+      for writes in nobarrier kernel; do
+        EP_PLUGIN_STREAM_WRITES=$writes bench copy_writes_$writes --num-sms 24 --dtype bf16 --no-baseline
+      done
       ;;
     staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
       stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
