@@ -14,7 +14,8 @@
 #   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
 #              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
 #   copysweep  the copy-engine combine's diagnostics, BF16 at 24 SMs: EP_PLUGIN_PIECES_PER_COPY over
-#              COPY_SWEEP_PIECES (default "1 2 4 8"), then EP_PLUGIN_STREAM_WRITES=nobarrier and =kernel
+#              COPY_SWEEP_PIECES (default "1 2 4 8"), then EP_PLUGIN_STREAM_WRITES=nobarrier and =kernel,
+#              then the other-combine-path tests with 4 pieces per copy
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
@@ -105,6 +106,9 @@ for s in $STAGES; do
       for writes in nobarrier kernel; do
         EP_PLUGIN_STREAM_WRITES=$writes bench copy_writes_$writes --num-sms 24 --dtype bf16 --no-baseline
       done
+      # Copies of several pieces also where the staging area wraps (two pieces of 512 rows).
+      stage copysweep env EP_PLUGIN_PIECES_PER_COPY=4 timeout -k 10 200 python3 -m pytest -q \
+        tests/test_native_intranode.py -k "other_combine_paths"
       ;;
     staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
       stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
