@@ -72,9 +72,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   // The copy-engine combine signals from the stream; without the driver entry point, or with
   // EP_PLUGIN_STREAM_WRITES=kernel, a one-thread kernel writes the word instead.
   const char* stream_writes = std::getenv("EP_PLUGIN_STREAM_WRITES");
-  // Diagnostics, to measure what the barrier and the copy size cost (see docs/configuration.md).
-  if (stream_writes != nullptr && std::string(stream_writes) == "nobarrier")
-    write_value_flags_ = CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+  // Diagnostic, to measure what the copy size costs (see docs/configuration.md).
   if (const char* pieces = std::getenv("EP_PLUGIN_PIECES_PER_COPY"))
     pieces_per_copy_ = std::max(1, std::min(intranode::kMaxStagingSlots, std::atoi(pieces)));
   cudaDriverEntryPointQueryResult found;
@@ -246,7 +244,7 @@ void IntranodeRuntime::write_word(uint64_t* address, uint64_t value, cudaStream_
   // NOTE: the default flags put a memory barrier before the write: the copies queued before it are
   // visible to whoever reads the new value.
   const CUresult result = reinterpret_cast<WriteValue64>(write_value64_)(
-      reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, write_value_flags_);
+      reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, 0);
   if (result != CUDA_SUCCESS) {
     Text out;
     out << "ep_plugin: rank " << rank_ << ": cuStreamWriteValue64 failed with CUresult " << static_cast<int>(result);
