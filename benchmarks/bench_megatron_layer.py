@@ -2,9 +2,13 @@
 
 For each dispatcher, on the same weights, inputs and routing:
 
-- dispatcher time: Megatron's six dispatcher methods forward (dispatch_preprocess ... combine_postprocess)
-  and their backward, with the experts replaced by the scaling by probs (as Megatron's dispatcher
-  tests do), so the time is the dispatcher's own: permutations, communication, host syncs;
+- dispatcher round: Megatron's six dispatcher methods forward (dispatch_preprocess ... combine_postprocess)
+  and their backward, with the experts replaced by a stand-in, the scaling of each row by its prob (as
+  Megatron's dispatcher tests do);
+- stand-in: that scaling alone, forward and backward, on tensors of the shapes it gets in the round
+  ([M, H] bf16 rows, [M] probs). It costs as much as the whole dispatcher (M x H fp32 products), so
+- dispatcher time = round - stand-in (per rank, then the slowest rank): the dispatcher's own work
+  (permutations, communication, host syncs). The round and the stand-in are reported too;
 - layer step: the whole MoELayer forward + backward (router, dispatch, SequentialMLP experts, or
   TransformerEngine's grouped GEMM with --experts te, combine).
 
@@ -23,13 +27,14 @@ Importable without a GPU (the work runs in spawned ranks).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -53,12 +58,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--permute-fusion", action="store_true", help="moe_permute_fusion (needs TE)")
     parser.add_argument("--ep-plugin-config", default=None, help="ep_plugin YAML for the ep_plugin dispatcher")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="write the results (JSON) here")
     parser.add_argument("--profile-dir", default=None,
-                        help="also profile 2 layer steps per dispatcher (torch.profiler): a kernel table per "
-                             "rank and rank 0's Chrome trace go here")
+                        help="also profile 2 dispatcher rounds and 2 layer steps per dispatcher (torch.profiler): "
+                             "a kernel table per rank and rank 0's Chrome traces go here")
     args = parser.parse_args(argv)
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     unknown = sorted(set(args.dispatchers) - set(DISPATCHERS))
@@ -107,18 +112,34 @@ def _build_layer(args: argparse.Namespace, dispatcher: str):
     return MoELayer(config, submodules).cuda()
 
 
+def _scale_by_probs(tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The experts' stand-in: each row times its prob (in the probs' precision), back in the rows' dtype."""
+    return (tokens * probs.unsqueeze(-1)).to(tokens.dtype)
+
+
 def _dispatcher_round(layer, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                      grad: torch.Tensor) -> None:
-    """The six dispatcher methods with the experts replaced by the scaling by probs, then the backward."""
+                      grad: torch.Tensor, seen: Optional[Dict] = None) -> None:
+    """The six dispatcher methods with the experts replaced by the stand-in, then the backward.
+    `seen` (optional) receives the stand-in's input shapes and dtypes."""
     dispatcher = layer.token_dispatcher
     tokens, weights = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
     tokens, weights = dispatcher.token_dispatch(tokens, weights)
     tokens, _, permuted_probs = dispatcher.dispatch_postprocess(tokens, weights)
-    tokens = (tokens * permuted_probs.unsqueeze(-1)).to(hidden.dtype)
+    if seen is not None:
+        seen.update(rows=tuple(tokens.shape), rows_dtype=tokens.dtype, probs_dtype=permuted_probs.dtype)
+    tokens = _scale_by_probs(tokens, permuted_probs)
     tokens = dispatcher.combine_preprocess(tokens)
     tokens = dispatcher.token_combine(tokens)
     output = dispatcher.combine_postprocess(tokens)
     torch.autograd.backward(output, grad)
+
+
+def _stand_in_step(seen: Dict, gen: torch.Generator) -> Callable[[], None]:
+    """The stand-in alone, forward and backward, on fresh tensors shaped as in the round."""
+    rows = torch.randn(seen["rows"], generator=gen, device="cuda").to(seen["rows_dtype"]).requires_grad_()
+    probs = torch.rand(seen["rows"][0], generator=gen, device="cuda").to(seen["probs_dtype"]).requires_grad_()
+    grad = torch.randn(seen["rows"], generator=gen, device="cuda").to(seen["rows_dtype"])
+    return lambda: torch.autograd.backward(_scale_by_probs(rows, probs), grad)
 
 
 def _layer_step(layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
@@ -127,36 +148,46 @@ def _layer_step(layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _time(fn, warmup: int, iters: int, flush: torch.Tensor) -> List[float]:
-    """Milliseconds of each timed call (L2 flushed before, ranks aligned by a barrier)."""
+    """Milliseconds of each timed call (L2 flushed before, ranks aligned by a barrier). Python's garbage
+    collector is off while timing (as with Megatron's --manual-gc): its pauses land on random steps."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        torch.distributed.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    gc.collect()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(iters):
+            flush.zero_()
+            torch.distributed.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    finally:
+        gc.enable()
     return times
 
 
-def _profile_layer_steps(step, name: str, rank: int, out_dir: str, steps: int = 2) -> None:
-    """Kernel and op table (by GPU time) of `steps` layer steps; rank 0 also writes its Chrome trace."""
+def _profile_steps(step, name: str, rank: int, out_dir: str, steps: int = 2, with_stack: bool = False) -> None:
+    """Op tables by GPU time and by host time of `steps` calls of `step`; rank 0 also writes its Chrome trace
+    (with `with_stack`, Python functions too: benchmarks/trace_gaps.py then names the Python code behind a
+    GPU-idle gap, at the price of slower host code while profiling)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     os.makedirs(out_dir, exist_ok=True)
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+    averages = prof.key_averages()
     with open(os.path.join(out_dir, f"megatron_{name}_rank{rank}.txt"), "w") as handle:
-        handle.write(table)
+        handle.write(averages.table(sort_by="self_device_time_total", row_limit=30))
+        handle.write("\n\nBy host time:\n")
+        handle.write(averages.table(sort_by="self_cpu_time_total", row_limit=30))
     if rank == 0:
         prof.export_chrome_trace(os.path.join(out_dir, f"megatron_{name}_rank0.json"))
 
@@ -186,8 +217,11 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
             probs, routing_map = layer.router(hidden)
         probs = probs.detach().requires_grad_()
         x = hidden.clone().requires_grad_()
-        dispatcher_ms = _time(lambda: _dispatcher_round(layer, x, probs, routing_map, grad),
-                              args.warmup, args.iters, flush)
+        seen: Dict = {}
+        _dispatcher_round(layer, x, probs, routing_map, grad, seen)
+        round_ms = _time(lambda: _dispatcher_round(layer, x, probs, routing_map, grad),
+                         args.warmup, args.iters, flush)
+        stand_in_ms = _time(_stand_in_step(seen, gen), args.warmup, args.iters, flush)
         layer_ms = _time(lambda: _layer_step(layer, x, grad), args.warmup, args.iters, flush)
         extra = {}
         buffer = getattr(layer.token_dispatcher, "buffer", None)
@@ -196,8 +230,12 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
                      # "copy_engine" or "sm" for the native intranode combine (its last call)
                      "combine_path": getattr(buffer._backend, "last_combine_path", "")}
         if args.profile_dir:
-            _profile_layer_steps(lambda: _layer_step(layer, x, grad), name, rank, args.profile_dir)
-        results[name] = {"dispatcher_ms": _summary(dispatcher_ms), "layer_step_ms": _summary(layer_ms),
+            _profile_steps(lambda: _dispatcher_round(layer, x, probs, routing_map, grad), f"{name}_dispatcher", rank,
+                           args.profile_dir, with_stack=True)
+            _profile_steps(lambda: _layer_step(layer, x, grad), name, rank, args.profile_dir)
+        results[name] = {"round_ms": _summary(round_ms), "stand_in_ms": _summary(stand_in_ms),
+                         "dispatcher_ms": statistics.median(round_ms) - statistics.median(stand_in_ms),
+                         "stand_in_rows": seen["rows"][0], "layer_step_ms": _summary(layer_ms),
                          "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
         del layer, probs, x
         torch.cuda.empty_cache()
@@ -211,8 +249,9 @@ def _combine_ranks(per_rank: List[Dict], args: argparse.Namespace) -> Dict:
     table = {}
     for name in args.dispatchers:
         entry = {"per_rank": [r[name] for r in per_rank]}
-        for metric in ("dispatcher_ms", "layer_step_ms"):
+        for metric in ("round_ms", "stand_in_ms", "layer_step_ms"):
             entry[metric] = max(r[name][metric]["median"] for r in per_rank)
+        entry["dispatcher_ms"] = max(r[name]["dispatcher_ms"] for r in per_rank)
         rows = args.tokens * args.topk
         entry["dispatcher_algorithmic_gbps"] = 4 * rows * args.hidden * 2 / (entry["dispatcher_ms"] * 1e-3) / 1e9
         table[name] = entry
@@ -255,12 +294,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "megatron_moe_layer",
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "environment": _environment(),
-        "formula": "dispatcher_algorithmic_gbps = 4 * tokens * topk * hidden * 2 B / dispatcher time",
+        "formula": "dispatcher_ms = round_ms - stand_in_ms (per rank; the slowest rank's); "
+                   "dispatcher_algorithmic_gbps = 4 * tokens * topk * hidden * 2 B / dispatcher time",
         "wall_s": round(time.time() - started, 1),
         **_combine_ranks(per_rank, args),
     }
     for name, entry in report["results"].items():
-        print(f"{name:>10}: dispatcher {entry['dispatcher_ms']:8.3f} ms   layer step {entry['layer_step_ms']:8.3f} ms")
+        print(f"{name:>10}: dispatcher {entry['dispatcher_ms']:8.3f} ms (round {entry['round_ms']:.3f} - stand-in "
+              f"{entry['stand_in_ms']:.3f})   layer step {entry['layer_step_ms']:8.3f} ms")
     for key, value in report["targets"].items():
         print(f"{key}: {value}")
     if args.out:

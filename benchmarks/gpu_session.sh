@@ -13,6 +13,9 @@
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
 #   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
 #              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
+#   copysweep  the copy-engine combine's diagnostics, BF16 at 24 SMs: EP_PLUGIN_PIECES_PER_COPY over
+#              COPY_SWEEP_PIECES (default "1 2 4 8"), then EP_PLUGIN_STREAM_WRITES=kernel,
+#              then the other-combine-path tests with 4 pieces per copy
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
@@ -23,8 +26,9 @@
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench
-#   megatron   Megatron GPU tests and the layer benchmark at MEGATRON_RANKS (default 2) GPUs (carry .whl with the megatron-core cp312 wheel;
-#              MEGATRON_PROFILE=1 adds torch.profiler tables of the layer step per dispatcher)
+#   megatron   Megatron GPU tests and the layer benchmark at MEGATRON_RANKS (default 2) GPUs, then ep_plugin alone with the
+#              combine on the SMs (carry .whl with the megatron-core cp312 wheel;
+#              MEGATRON_PROFILE=1 adds torch.profiler tables of the dispatcher round and the layer step per dispatcher)
 # Megatron needs `carry: [".whl"]` in the device call, after (here, once; .gitignore ignores /.whl/):
 #   python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
@@ -38,6 +42,7 @@
 # little under the call's limit so the tests stop in time and the summary still prints.
 set -u
 OUT=${OUT:-/tmp/ep_plugin_out}
+rm -rf "$OUT/results_dir"  # only this call's results come back
 mkdir -p "$OUT" "$OUT/results_dir"
 # ep_plugin never uses NVLink multicast; keep it off in every process.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -96,6 +101,17 @@ for s in $STAGES; do
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
       ;;
+    copysweep)
+      for pieces in ${COPY_SWEEP_PIECES:-1 2 4 8}; do
+        EP_PLUGIN_PIECES_PER_COPY=$pieces bench copy_pieces$pieces --num-sms 24 --dtype bf16 --no-baseline
+      done
+      for writes in kernel; do
+        EP_PLUGIN_STREAM_WRITES=$writes bench copy_writes_$writes --num-sms 24 --dtype bf16 --no-baseline
+      done
+      # Copies of several pieces also where the staging area wraps (two pieces of 512 rows).
+      stage copysweep env EP_PLUGIN_PIECES_PER_COPY=4 timeout -k 10 200 python3 -m pytest -q \
+        tests/test_native_intranode.py -k "other_combine_paths"
+      ;;
     staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
       stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
         tests/test_native_intranode.py -k "multi_rank and not one_rank"
@@ -149,6 +165,10 @@ for s in $STAGES; do
         stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
           --out "$OUT/results_dir/megatron_layer.json" \
           ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile"}
+        # ep_plugin with the combine on the SMs only, for comparison in the same call.
+        printf 'buffer: {combine_staging_tokens: 0}\n' > /tmp/sm_combine.yaml
+        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
+          --dispatchers ep_plugin --ep-plugin-config /tmp/sm_combine.yaml --out "$OUT/results_dir/megatron_layer_sm_combine.json"
       else
         echo "megatron: skipped (carry .whl with the megatron-core cp312 wheel; see docs/megatron.md)" >> "$summary"
       fi

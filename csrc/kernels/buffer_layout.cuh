@@ -54,7 +54,7 @@ struct Header {
   // Written by the copy streams of sender src, into this (the owner's) header:
   uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
   uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
-  uint64_t staged_landed[kMaxNvlPeers][kMaxStagingSlots]; // [src][slot]: piece + 1 src has copied there
+  uint64_t staged_landed[kMaxNvlPeers];                   // [src]: pieces src has copied here (in order)
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
   uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading

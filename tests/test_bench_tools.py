@@ -1,0 +1,57 @@
+"""The Megatron layer benchmark's bookkeeping and benchmarks/trace_gaps.py, on CPU (no GPU, no Megatron)."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(round_ms: float, stand_in_ms: float, layer_ms: float) -> dict:
+    return {"round_ms": {"median": round_ms}, "stand_in_ms": {"median": stand_in_ms},
+            "dispatcher_ms": round_ms - stand_in_ms, "layer_step_ms": {"median": layer_ms}}
+
+
+def test_dispatcher_time_is_the_slowest_ranks_round_less_its_stand_in():
+    bench = _load("bench_megatron_layer")
+    args = bench.parse_args(["--dispatchers", "ep_plugin,alltoall", "--tokens", "100", "--topk", "2",
+                             "--hidden", "64"])
+    per_rank = [{"ep_plugin": _rank(6.0, 3.0, 15.0), "alltoall": _rank(11.0, 3.5, 20.0)},
+                {"ep_plugin": _rank(6.5, 3.0, 16.0), "alltoall": _rank(10.0, 3.0, 21.0)}]
+    report = bench._combine_ranks(per_rank, args)
+    ours, theirs = report["results"]["ep_plugin"], report["results"]["alltoall"]
+    assert ours["dispatcher_ms"] == 3.5 and theirs["dispatcher_ms"] == 7.5
+    assert ours["round_ms"] == 6.5 and ours["stand_in_ms"] == 3.0 and ours["layer_step_ms"] == 16.0
+    assert report["targets"]["dispatcher_time_ratio_vs_alltoall"] == 3.5 / 7.5
+    assert report["targets"]["dispatcher_target_met (<= 0.5)"] is True
+    assert report["targets"]["layer_speedup_vs_alltoall"] == 21.0 / 16.0
+    expected_gbps = 4 * 100 * 2 * 64 * 2 / 3.5e-3 / 1e9
+    assert abs(ours["dispatcher_algorithmic_gbps"] - expected_gbps) < 1e-9
+
+
+def test_trace_gaps_reports_busy_time_and_names_the_host_op_behind_the_longest_gap(tmp_path):
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 50, "dur": 100},   # overlaps k1: busy 0..150
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 400, "dur": 100},        # gap of 250 us after 150
+        {"ph": "X", "cat": "kernel", "name": "k3", "ts": 520, "dur": 80},         # gap of 20 us
+        {"ph": "X", "cat": "cpu_op", "name": "outer_op", "ts": 100, "dur": 400},
+        {"ph": "X", "cat": "python_function", "name": "slow_python", "ts": 140, "dur": 200},
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "trace_gaps.py"), str(trace), "--top", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("span 0.600 ms, GPU busy 0.330 ms (55%), idle 0.270 ms in 2 gaps")
+    assert lines[2].split() == ["250.0", "0.150", "slow_python"]
+    assert lines[3].split() == ["20.0", "0.500", "outer_op"]
