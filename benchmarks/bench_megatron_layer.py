@@ -12,8 +12,10 @@ For each dispatcher, on the same weights, inputs and routing:
 - layer step: the whole MoELayer forward + backward (router, dispatch, SequentialMLP experts, or
   TransformerEngine's grouped GEMM with --experts te, combine).
 
-Each timed iteration: L2 flushed, ranks aligned by a barrier, CUDA events around the work on the
-current stream. Per rank: median, p10, p90, min, max over the timed iterations; a step's time is the
+The dispatchers' layers live side by side and take turns in every timed iteration (the layer step
+is bound by the host's launch rate, which drifts between minutes; turns give every dispatcher the
+same conditions). Each timed call: L2 flushed, ranks aligned by a barrier, Python's GC off, CUDA
+events around the work on the current stream. Per rank: median, p10, p90, min, max over the timed iterations; a step's time is the
 slowest rank's median. Also reported: the "algorithmic" bandwidth of the dispatcher,
 GB/s = 4 * T * top-k * H * 2 bytes / time (every (token, expert) row once in each of dispatch,
 combine and their two backward passes), the same formula for every dispatcher.
@@ -27,6 +29,7 @@ Importable without a GPU (the work runs in spawned ranks).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -91,7 +94,6 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def _build_layer(args: argparse.Namespace, dispatcher: str):
-    import functools
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -147,28 +149,45 @@ def _layer_step(layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
     torch.autograd.backward(output, grad)
 
 
-def _time(fn, warmup: int, iters: int, flush: torch.Tensor) -> List[float]:
-    """Milliseconds of each timed call (L2 flushed before, ranks aligned by a barrier). Python's garbage
-    collector is off while timing (as with Megatron's --manual-gc): its pauses land on random steps."""
+def _time_interleaved(steps: Dict[str, Callable[[], None]], warmup: int, iters: int,
+                      flush: torch.Tensor) -> Dict[str, List[float]]:
+    """Milliseconds of each timed call of each step. The steps take turns (A B C, B C A, ...) so that
+    drifting host conditions fall on all of them alike: the layer step is bound by the host's launch
+    rate, which changes by 20-30% between minutes. Before each call the L2 is flushed and the ranks
+    are aligned by a barrier. Python's garbage collector is off while timing (as with Megatron's
+    --manual-gc): its pauses would land on random steps."""
+    names = list(steps)
     for _ in range(warmup):
-        fn()
+        for name in names:
+            steps[name]()
     torch.cuda.synchronize()
+    times: Dict[str, List[float]] = {name: [] for name in names}
     gc.collect()
     gc.disable()
     try:
-        times = []
-        for _ in range(iters):
-            flush.zero_()
-            torch.distributed.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        for i in range(iters):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                flush.zero_()
+                torch.distributed.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                steps[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
     finally:
         gc.enable()
     return times
+
+
+def _step_memory_gib(step: Callable[[], None]) -> float:
+    """Memory one call of `step` allocates at its peak, beyond what is allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
 def _profile_steps(step, name: str, rank: int, out_dir: str, steps: int = 2, with_stack: bool = False) -> None:
@@ -206,8 +225,8 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
     hidden = torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     grad = torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     state = None
-    results = {}
-    for name in args.dispatchers:
+    rounds, stand_ins, layer_steps, info = {}, {}, {}, {}
+    for name in args.dispatchers:  # every layer lives until the end: their steps are timed in turns
         layer = _build_layer(args, name)
         if state is None:
             state = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -219,27 +238,27 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
         x = hidden.clone().requires_grad_()
         seen: Dict = {}
         _dispatcher_round(layer, x, probs, routing_map, grad, seen)
-        round_ms = _time(lambda: _dispatcher_round(layer, x, probs, routing_map, grad),
-                         args.warmup, args.iters, flush)
-        stand_in_ms = _time(_stand_in_step(seen, gen), args.warmup, args.iters, flush)
-        layer_ms = _time(lambda: _layer_step(layer, x, grad), args.warmup, args.iters, flush)
-        extra = {}
+        rounds[name] = functools.partial(_dispatcher_round, layer, x, probs, routing_map, grad)
+        stand_ins[name] = _stand_in_step(seen, gen)
+        layer_steps[name] = functools.partial(_layer_step, layer, x, grad)
+        info[name] = {"stand_in_rows": seen["rows"][0]}
         buffer = getattr(layer.token_dispatcher, "buffer", None)
         if buffer is not None:
-            extra = {"backend": buffer.backend_name, "num_sms": buffer.num_sms,
-                     # "copy_engine" or "sm" for the native intranode combine (its last call)
-                     "combine_path": getattr(buffer._backend, "last_combine_path", "")}
+            info[name].update(backend=buffer.backend_name, num_sms=buffer.num_sms,
+                              # "copy_engine" or "sm" for the native intranode combine (its last call)
+                              combine_path=getattr(buffer._backend, "last_combine_path", ""))
+    round_ms = _time_interleaved(rounds, args.warmup, args.iters, flush)
+    stand_in_ms = _time_interleaved(stand_ins, args.warmup, args.iters, flush)
+    layer_ms = _time_interleaved(layer_steps, args.warmup, args.iters, flush)
+    results = {}
+    for name in args.dispatchers:
         if args.profile_dir:
-            _profile_steps(lambda: _dispatcher_round(layer, x, probs, routing_map, grad), f"{name}_dispatcher", rank,
-                           args.profile_dir, with_stack=True)
-            _profile_steps(lambda: _layer_step(layer, x, grad), name, rank, args.profile_dir)
-        results[name] = {"round_ms": _summary(round_ms), "stand_in_ms": _summary(stand_in_ms),
-                         "dispatcher_ms": statistics.median(round_ms) - statistics.median(stand_in_ms),
-                         "stand_in_rows": seen["rows"][0], "layer_step_ms": _summary(layer_ms),
-                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
-        del layer, probs, x
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+            _profile_steps(rounds[name], f"{name}_dispatcher", rank, args.profile_dir, with_stack=True)
+            _profile_steps(layer_steps[name], name, rank, args.profile_dir)
+        results[name] = {"round_ms": _summary(round_ms[name]), "stand_in_ms": _summary(stand_in_ms[name]),
+                         "dispatcher_ms": statistics.median(round_ms[name]) - statistics.median(stand_in_ms[name]),
+                         "layer_step_ms": _summary(layer_ms[name]),
+                         "step_memory_gib": _step_memory_gib(layer_steps[name]), **info[name]}
     return results
 
 
