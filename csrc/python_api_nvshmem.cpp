@@ -89,6 +89,13 @@ internode::InternodeLayout make_internode_layout(int num_nodes, int num_channels
   return internode::InternodeLayout{num_nodes, num_channels, ring_slots, slot_bytes};
 }
 
+// Blocks per half of a network-leg launch: each serves num_channels / num_blocks channels.
+int checked_num_blocks(int num_channels, int num_blocks) {
+  EP_CHECK_ARG(num_blocks >= 1 && num_channels % num_blocks == 0,
+               "num_blocks must divide num_channels (" << num_channels << "), got " << num_blocks);
+  return num_blocks;
+}
+
 int64_t internode_size_hint(int64_t hidden_bytes, int num_nodes, int num_channels, int ring_slots) {
   EP_CHECK_ARG(hidden_bytes > 0, "hidden_bytes must be positive, got " << hidden_bytes);
   return make_internode_layout(num_nodes, num_channels, ring_slots, internode::hint_slot_bytes(hidden_bytes))
@@ -122,14 +129,15 @@ void internode_notify(InternodeRuntime& runtime, int num_channels, int num_token
   runtime.notify(args, as_stream(stream));
 }
 
-void internode_dispatch(InternodeRuntime& runtime, int num_channels, int ring_slots, int64_t slot_bytes,
-                        int num_tokens, int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t x,
+void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots,
+                        int64_t slot_bytes, int num_tokens, int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t x,
                         uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t is_token_in_node,
                         uintptr_t send_pos, uintptr_t recv_offsets, int capacity, uintptr_t recv_x,
                         uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                         uintptr_t recv_src_idx, uintptr_t stream) {
   internode::DispatchArgs args{};
   args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
+  args.num_blocks = checked_num_blocks(num_channels, num_blocks);
   args.slot = make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights);
   EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
   EP_CHECK_ARG(capacity >= 0, "capacity must be non-negative");
@@ -151,13 +159,15 @@ void internode_dispatch(InternodeRuntime& runtime, int num_channels, int ring_sl
   runtime.dispatch(args, as_stream(stream));
 }
 
-void internode_combine(InternodeRuntime& runtime, int num_channels, int ring_slots, int64_t slot_bytes, int hidden,
+void internode_combine(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int64_t slot_bytes,
+                       int hidden,
                        int num_topk, int capacity, uintptr_t partial_x, uintptr_t partial_weights,
                        uintptr_t recv_offsets, int num_tokens, uintptr_t is_token_in_node, uintptr_t send_pos,
                        uintptr_t send_counts, uintptr_t bias_0, uintptr_t bias_1, uintptr_t combined_x,
                        uintptr_t combined_weights, uintptr_t stream) {
   internode::CombineArgs args{};
   args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
+  args.num_blocks = checked_num_blocks(num_channels, num_blocks);
   EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8, got " << hidden);
   EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk, "top-k must be in [0, " << internode::kMaxTopk << "]");
   args.slot = internode::CombineSlot{hidden, num_topk};
@@ -244,6 +254,7 @@ PYBIND11_MODULE(_C_nvshmem, m) {
   m.attr("INTERNODE_HEADER_BYTES") = internode::kHeaderBytes;
   m.attr("INTERNODE_MAX_NODES") = internode::kMaxNodes;
   m.attr("INTERNODE_MAX_CHANNELS") = internode::kMaxChannels;
+  m.attr("INTERNODE_WARPS_PER_BLOCK") = internode::kWarps;
   m.attr("INTERNODE_SLOT_EXTRA_BYTES") = internode::kSlotExtraBytes;
   m.def("internode_size_hint", &internode_size_hint, py::arg("hidden_bytes"), py::arg("num_nodes"),
         py::arg("num_channels"), py::arg("ring_slots"),
@@ -282,13 +293,13 @@ PYBIND11_MODULE(_C_nvshmem, m) {
              py::gil_scoped_release release;
              return self.wait_notify(tag, as_stream(stream));
            }, py::arg("tag"), py::arg("stream"))
-      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("ring_slots"), py::arg("slot_bytes"),
+      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"), py::arg("slot_bytes"),
            py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
            py::arg("has_weights"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("is_token_in_node"), py::arg("send_pos"), py::arg("recv_offsets"), py::arg("capacity"),
            py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
            py::arg("recv_src_idx"), py::arg("stream"))
-      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("ring_slots"), py::arg("slot_bytes"),
+      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"), py::arg("slot_bytes"),
            py::arg("hidden"), py::arg("num_topk"), py::arg("capacity"), py::arg("partial_x"),
            py::arg("partial_weights"), py::arg("recv_offsets"), py::arg("num_tokens"), py::arg("is_token_in_node"),
            py::arg("send_pos"), py::arg("send_counts"), py::arg("bias_0"), py::arg("bias_1"),

@@ -3,13 +3,15 @@
 // source rank sums, per token, the partial rows of the nodes it went to, in fp32 and in node order,
 // adds the biases and writes bf16.
 //
-// Blocks [0, C) send channel b (forwarder side): warp w serves source nodes w, w + kWarps, ...;
-// rows recv_offsets[src * C + ch] .. +count go, in order, into ring (ch, this node) of that source.
-// Blocks [C, 2C) receive channel b - C (source side): the channel's tokens in groups of
-// G = min(kWarps, S), one token per warp. A token's row from node n is slot send_pos[t, n] of ring
-// (ch, n); rows of one ring arrive in token order, so after a group every ring has been consumed
-// up to a known count, which is returned to its forwarder. G <= S keeps every slot a group needs
-// within the sender's window.
+// Blocks [0, B) send (forwarder side), blocks [B, 2B) receive (source side); block b of a half serves
+// channels b, b + B, ... (C / B sub-channels, as in dispatch).
+// - Sender: one warp per (sub-channel ch, source node) ring; rows recv_offsets[src * C + ch] .. +count
+//   go, in order, into ring (ch, this node) of that source.
+// - Receiver: the block takes its sub-channels one after another (their senders run meanwhile, up
+//   to a full ring each). A channel's tokens go in groups of G = min(kWarps, S), one token per warp.
+//   A token's row from node n is slot send_pos[t, n] of ring (ch, n); rows of one ring arrive in
+//   token order, so after a group every ring has been consumed up to a known count, which is
+//   returned to its forwarder. G <= S keeps every slot a group needs within the sender's window.
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
@@ -18,46 +20,44 @@
 namespace ep_plugin::internode {
 namespace {
 
-__device__ void send_channel(const CombineArgs& a, int ch) {
+// Sender warp of ring (ch, src).
+__device__ void send_ring(const CombineArgs& a, int ch, int src) {
   const Place& place = a.c.place;
   const InternodeLayout& layout = a.layout;
-  const int N = place.num_nodes, C = layout.num_channels, S = layout.ring_slots;
+  const int C = layout.num_channels, S = layout.ring_slots;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const CombineSlot& slot = a.slot;
   const int64_t row_bytes = 2LL * slot.hidden;
   const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeCombine, place.rank, ch, warp};
-
-  for (int src = warp; src < N; src += kWarps) {
-    const int pe = place.pe_of(src);
-    const int64_t counter = counter_index(kKindCombine, ch, src);
-    uint64_t* head = a.c.ptr.head + counter;
-    const uint64_t base = a.c.ptr.sent_base[counter];
-    const int first_row = a.recv_offsets[src * C + ch];
-    const int count = a.recv_offsets[src * C + ch + 1] - first_row;
-    for (int i = 0; i < count; ++i) {
-      const uint64_t index = base + i;
-      const int s = static_cast<int>(index % S);
-      if (lane == 0 && index + 1 > static_cast<uint64_t>(S))
-        wait_at_least(head, index + 1 - S, site, kWaitFreeSlot, pe);
-      __syncwarp();
-      uint8_t* staged = a.c.ptr.area + layout.send_slot_offset(ch, src, s);
-      const int64_t row = static_cast<int64_t>(first_row) + i;
-      if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = static_cast<int32_t>(row);
-      if (row < a.capacity) {
-        warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
-                        row_bytes);
-        if (slot.num_topk > 0)
-          warp_copy_words<true>(staged + slot.weights_offset(), a.partial_weights + row * slot.num_topk,
-                                4LL * slot.num_topk);
-      } else {  // only after a reported overflow in dispatch: keep the protocol going with zeros
-        int4* zero = reinterpret_cast<int4*>(staged + slot.row_offset());
-        for (int64_t u = lane; u < (slot.bytes() - slot.row_offset()) / 16; u += 32) zero[u] = make_int4(0, 0, 0, 0);
-      }
-      put_slot(a.c.ptr.area + layout.recv_slot_offset(ch, place.node, s), staged, slot.bytes(),
-               a.c.ptr.tail + counter_index(kKindCombine, ch, place.node), pe);
+  const int pe = place.pe_of(src);
+  const int64_t counter = counter_index(kKindCombine, ch, src);
+  uint64_t* head = a.c.ptr.head + counter;
+  const uint64_t base = a.c.ptr.sent_base[counter];
+  const int first_row = a.recv_offsets[src * C + ch];
+  const int count = a.recv_offsets[src * C + ch + 1] - first_row;
+  for (int i = 0; i < count; ++i) {
+    const uint64_t index = base + i;
+    const int s = static_cast<int>(index % S);
+    if (lane == 0 && index + 1 > static_cast<uint64_t>(S))
+      wait_at_least(head, index + 1 - S, site, kWaitFreeSlot, pe);
+    __syncwarp();
+    uint8_t* staged = a.c.ptr.area + layout.send_slot_offset(ch, src, s);
+    const int64_t row = static_cast<int64_t>(first_row) + i;
+    if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = static_cast<int32_t>(row);
+    if (row < a.capacity) {
+      warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
+                      row_bytes);
+      if (slot.num_topk > 0)
+        warp_copy_words<true>(staged + slot.weights_offset(), a.partial_weights + row * slot.num_topk,
+                              4LL * slot.num_topk);
+    } else {  // only after a reported overflow in dispatch: keep the protocol going with zeros
+      int4* zero = reinterpret_cast<int4*>(staged + slot.row_offset());
+      for (int64_t u = lane; u < (slot.bytes() - slot.row_offset()) / 16; u += 32) zero[u] = make_int4(0, 0, 0, 0);
     }
-    if (lane == 0) a.c.ptr.sent_base[counter] = base + count;
+    put_slot(a.c.ptr.area + layout.recv_slot_offset(ch, place.node, s), staged, slot.bytes(),
+             a.c.ptr.tail + counter_index(kKindCombine, ch, place.node), pe);
   }
+  if (lane == 0) a.c.ptr.sent_base[counter] = base + count;
 }
 
 
@@ -76,6 +76,7 @@ __device__ void receive_channel(const CombineArgs& a, int ch) {
   int begin, end;
   channel_range(a.num_tokens, C, ch, &begin, &end);
 
+  __syncthreads();  // the block's previous sub-channel has finished with the shared words
   for (int n = threadIdx.x; n < N; n += kThreads) {
     ring_base[n] = a.c.ptr.recv_base[counter_index(kKindCombine, ch, n)];
     consumed[n] = released[n] = 0;
@@ -152,11 +153,13 @@ __device__ void receive_channel(const CombineArgs& a, int ch) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
-  const int C = args.layout.num_channels;
-  if (static_cast<int>(blockIdx.x) < C) {
-    send_channel(args, blockIdx.x);
+  const int B = args.num_blocks, N = args.c.place.num_nodes, per_block = args.layout.num_channels / B;
+  if (static_cast<int>(blockIdx.x) < B) {
+    // Warp w takes the (sub-channel, node) pairs w, w + kWarps, ... of this block.
+    for (int pair = threadIdx.x / 32; pair < per_block * N; pair += kWarps)
+      send_ring(args, blockIdx.x + pair / N * B, pair % N);
   } else {
-    receive_channel(args, blockIdx.x - C);
+    for (int g = 0; g < per_block; ++g) receive_channel(args, blockIdx.x - B + g * B);
   }
 }
 
@@ -169,7 +172,9 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(layout.ring_slots >= 1, "internode combine: ring slots must be positive");
   EP_CHECK_ARG(args.slot.bytes() <= layout.slot_bytes, "internode combine: slot too small for the row");
   EP_CHECK_ARG(args.slot.hidden % 8 == 0, "internode combine: hidden must be a multiple of 8");
-  combine_kernel<<<2 * layout.num_channels, kThreads, 0, stream>>>(args);
+  EP_CHECK_ARG(args.num_blocks >= 1 && layout.num_channels % args.num_blocks == 0,
+               "internode combine: num_blocks must divide num_channels");
+  combine_kernel<<<2 * args.num_blocks, kThreads, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 

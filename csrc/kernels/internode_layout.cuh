@@ -227,6 +227,7 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 struct DispatchArgs {
   Common c;
   InternodeLayout layout;
+  int num_blocks;                   // B blocks send and B receive; block b serves channels b, b + B, ... (C % B == 0)
   DispatchSlot slot;                // num_topk = 0 for a cached dispatch
   int num_tokens;
   const void* x;                    // [T, row_bytes]
@@ -249,6 +250,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 struct CombineArgs {
   Common c;
   InternodeLayout layout;
+  int num_blocks;                   // as in DispatchArgs
   CombineSlot slot;                 // num_topk = 0 without weights
   // Forwarder side: one partial row per forwarder row (the intranode combine's output).
   int capacity;                     // rows of partial_x

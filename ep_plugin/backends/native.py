@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import Config, default_combine_config, default_dispatch_config, staging_bytes
+from ..tuning import MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
 from .base import Backend, GroupInfo
 
 try:
@@ -167,6 +167,7 @@ class InternodeHandle:
     num_recv_rows: int               # rows of recv_x (received tokens, or num_worst_tokens)
     num_worst_tokens: int
     num_channels: int                # channels of the network leg (fixed by the dispatch)
+    num_blocks: int                  # blocks per half of its launches (each serves num_channels / num_blocks)
     dispatch_slot_bytes: int         # slot size of the dispatch's network leg
     is_token_in_node: torch.Tensor   # [T, N] bool
     send_pos: torch.Tensor           # [T, N] int32
@@ -179,6 +180,20 @@ class InternodeHandle:
 
 
 _NET_DISPATCH, _NET_COMBINE = 0, 1  # ring kinds of the network leg
+NET_WARPS_PER_BLOCK = 16  # = internode kWarps (csrc/kernels/internode_layout.cuh)
+
+
+def network_geometry(num_blocks: int, ring_slots: int, num_nodes: int) -> Tuple[int, int]:
+    """(channels, slots per ring) of the network leg on `num_blocks` sender (and receiver) blocks.
+
+    Each ring (channel, node) has one warp on each side, so with few nodes most warps of a block
+    would idle: a block serves G channels (sub-channels), G = min(warps / nodes, MAX_CHANNELS /
+    blocks, ring_slots), and the config's `ring_slots` are split among them, so the rings take no
+    more memory than `num_blocks` channels of `ring_slots` would.
+    """
+    group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, MAX_CHANNELS // num_blocks, ring_slots))
+    return num_blocks * group, ring_slots // group
+
 
 
 def _address(tensor: Optional[torch.Tensor]) -> int:
@@ -473,6 +488,14 @@ class NativeBackend(Backend):
             raise ValueError(f"the network leg needs {2 * num_channels} SMs (2 per channel), more than the "
                              f"{self._num_device_sms} of this GPU")
 
+    def _handle_network_geometry(self, handle: "InternodeHandle", config: Config) -> Tuple[int, int, int]:
+        """(channels, blocks, slots per ring) of a cached dispatch or combine: the dispatch's channels
+        and blocks, with `config`'s ring slots split among a block's channels."""
+        B = handle.num_blocks
+        self._check_internode_sms(B)
+        group = handle.num_channels // B
+        return handle.num_channels, B, max(1, config.num_max_rdma_chunked_recv_tokens // group)
+
     def _prepare_rings(self, kind: int, geometry: Tuple[int, int, int], after_notify: bool) -> None:
         """Keep the network leg's rings consistent when a call changes their geometry.
 
@@ -506,8 +529,9 @@ class NativeBackend(Backend):
         T, K = topk_idx.shape
         num_experts = num_tokens_per_expert.size(0)
         num_local_experts = _local_experts(num_experts, R)
-        C, S = config.num_channels, config.num_max_rdma_chunked_recv_tokens
-        self._check_internode_sms(C)
+        B = config.num_channels
+        self._check_internode_sms(B)
+        C, S = network_geometry(B, config.num_max_rdma_chunked_recv_tokens, N)
         row_bytes = x.size(1) * x.element_size()
         num_scales = 0 if x_scales is None else x_scales.size(1)
         has_weights = topk_weights is not None
@@ -539,8 +563,8 @@ class NativeBackend(Backend):
         send_pos = self._empty(T, N, dtype=torch.int32)
         slot_bytes = _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, K, has_weights)
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=True)
-        net.dispatch(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T, row_bytes=row_bytes,
-                     num_scales=num_scales, num_topk=K, has_weights=has_weights, x=_address(x),
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+                     row_bytes=row_bytes, num_scales=num_scales, num_topk=K, has_weights=has_weights, x=_address(x),
                      x_scales=_address(x_scales), topk_idx=_address(topk_idx), topk_weights=_address(topk_weights),
                      is_token_in_node=_address(is_token_in_node), send_pos=_address(send_pos),
                      recv_offsets=_address(recv_offsets), capacity=F, recv_x=_address(fwd_x),
@@ -570,7 +594,8 @@ class NativeBackend(Backend):
             recv_topk_idx = _take(recv_topk_idx, perm)
             recv_topk_weights = _take(recv_topk_weights, perm)
         handle = InternodeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_worst_tokens=num_worst_tokens,
-                                 num_channels=C, dispatch_slot_bytes=slot_bytes, is_token_in_node=is_token_in_node,
+                                 num_channels=C, num_blocks=B, dispatch_slot_bytes=slot_bytes,
+                                 is_token_in_node=is_token_in_node,
                                  send_pos=send_pos, send_counts=send_counts, recv_offsets=recv_offsets,
                                  num_forward_rows=F, node=node, perm=perm, inv_perm=inv_perm)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
@@ -598,8 +623,7 @@ class NativeBackend(Backend):
     def _internode_cached_dispatch(self, x, x_scales, handle: "InternodeHandle", config: Config):
         self._check_sms(config)
         net = self._net
-        C, S = handle.num_channels, config.num_max_rdma_chunked_recv_tokens
-        self._check_internode_sms(C)
+        C, B, S = self._handle_network_geometry(handle, config)
         T, F = handle.num_tokens, handle.num_forward_rows
         row_bytes = x.size(1) * x.element_size()
         num_scales = 0 if x_scales is None else x_scales.size(1)
@@ -609,8 +633,9 @@ class NativeBackend(Backend):
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=False)
         fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
         fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
-        net.dispatch(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T, row_bytes=row_bytes,
-                     num_scales=num_scales, num_topk=0, has_weights=False, x=_address(x), x_scales=_address(x_scales),
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+                     row_bytes=row_bytes, num_scales=num_scales, num_topk=0, has_weights=False, x=_address(x),
+                     x_scales=_address(x_scales),
                      topk_idx=0, topk_weights=0, is_token_in_node=_address(handle.is_token_in_node), send_pos=0,
                      recv_offsets=_address(handle.recv_offsets), capacity=F, recv_x=_address(fwd_x),
                      recv_x_scales=_address(fwd_scales), recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0,
@@ -628,8 +653,7 @@ class NativeBackend(Backend):
     def _internode_combine(self, x, handle: "InternodeHandle", topk_weights, bias_0, bias_1, config: Config):
         self._check_sms(config)
         net = self._net
-        C, S = handle.num_channels, config.num_max_rdma_chunked_recv_tokens
-        self._check_internode_sms(C)
+        C, B, S = self._handle_network_geometry(handle, config)
         T, F, H = handle.num_tokens, handle.num_forward_rows, x.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
         if handle.inv_perm is not None:  # back to the intranode stage's row order
@@ -651,7 +675,8 @@ class NativeBackend(Backend):
         self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
         combined_x = self._empty(T, H, dtype=torch.bfloat16)
         combined_weights = None if topk_weights is None else self._empty(T, K, dtype=torch.float32)
-        net.combine(num_channels=C, ring_slots=S, slot_bytes=slot_bytes, hidden=H, num_topk=K, capacity=F,
+        net.combine(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, hidden=H, num_topk=K,
+                    capacity=F,
                     partial_x=_address(partial_x), partial_weights=_address(partial_weights),
                     recv_offsets=_address(handle.recv_offsets), num_tokens=T,
                     is_token_in_node=_address(handle.is_token_in_node), send_pos=_address(handle.send_pos),
