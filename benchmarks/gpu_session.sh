@@ -13,9 +13,6 @@
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
 #   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
 #              stream writes by a one-thread kernel instead of cuStreamWriteValue64)
-#   copysweep  the copy-engine combine's diagnostics, BF16 at 24 SMs: EP_PLUGIN_PIECES_PER_COPY over
-#              COPY_SWEEP_PIECES (default "1 2 4 8"), then EP_PLUGIN_STREAM_WRITES=kernel,
-#              then the other-combine-path tests with 4 pieces per copy
 #   timeouts   the tests where a peer never answers or an id is out of range (they end in a
 #              device trap by design), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
@@ -52,6 +49,8 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-900}
 BUDGET_S=${BUDGET_S:-100000}
 PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_native_layout.py tests/test_native_intranode.py"}
 summary="$OUT/summary.txt"
+# The combine on the SMs only (no copy-engine staging area), for comparisons in the bench and megatron stages.
+printf 'buffer: {combine_staging_tokens: 0}\n' > /tmp/sm_combine.yaml
 : > "$summary"
 
 stage() {  # stage NAME COMMAND...: run, log, record rc and duration
@@ -101,17 +100,6 @@ for s in $STAGES; do
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
       ;;
-    copysweep)
-      for pieces in ${COPY_SWEEP_PIECES:-1 2 4 8}; do
-        EP_PLUGIN_PIECES_PER_COPY=$pieces bench copy_pieces$pieces --num-sms 24 --dtype bf16 --no-baseline
-      done
-      for writes in kernel; do
-        EP_PLUGIN_STREAM_WRITES=$writes bench copy_writes_$writes --num-sms 24 --dtype bf16 --no-baseline
-      done
-      # Copies of several pieces also where the staging area wraps (two pieces of 512 rows).
-      stage copysweep env EP_PLUGIN_PIECES_PER_COPY=4 timeout -k 10 200 python3 -m pytest -q \
-        tests/test_native_intranode.py -k "other_combine_paths"
-      ;;
     staged)  # the copy-engine combine's cases again, its stream writes made by a one-thread kernel
       stage staged env EP_PLUGIN_STREAM_WRITES=kernel timeout -k 10 "${STAGED_TIMEOUT:-200}" python3 -m pytest -q \
         tests/test_native_intranode.py -k "multi_rank and not one_rank"
@@ -133,7 +121,6 @@ for s in $STAGES; do
       bench bf16_sms16 --num-sms 16 --dtype bf16
       bench fp8_sms16 --num-sms 16 --dtype fp8
       # The combine on the SMs alone (no copy-engine staging area), for comparison in the same call.
-      printf 'buffer: {combine_staging_tokens: 0}\n' > /tmp/sm_combine.yaml
       bench bf16_sms24_sm_combine --num-sms 24 --dtype bf16 --config /tmp/sm_combine.yaml --no-baseline
       ;;
     tuning)  # ring and chunk sizes (dispatch and combine alike), 24 SMs
@@ -166,7 +153,6 @@ for s in $STAGES; do
           --out "$OUT/results_dir/megatron_layer.json" \
           ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile"}
         # ep_plugin with the combine on the SMs only, for comparison in the same call.
-        printf 'buffer: {combine_staging_tokens: 0}\n' > /tmp/sm_combine.yaml
         stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
           --dispatchers ep_plugin --ep-plugin-config /tmp/sm_combine.yaml --out "$OUT/results_dir/megatron_layer_sm_combine.json"
       else

@@ -72,9 +72,6 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   // The copy-engine combine signals from the stream; without the driver entry point, or with
   // EP_PLUGIN_STREAM_WRITES=kernel, a one-thread kernel writes the word instead.
   const char* stream_writes = std::getenv("EP_PLUGIN_STREAM_WRITES");
-  // Diagnostic, to measure what the copy size costs (see docs/configuration.md).
-  if (const char* pieces = std::getenv("EP_PLUGIN_PIECES_PER_COPY"))
-    pieces_per_copy_ = std::max(1, std::min(intranode::kMaxStagingSlots, std::atoi(pieces)));
   cudaDriverEntryPointQueryResult found;
   if ((stream_writes != nullptr && std::string(stream_writes) == "kernel") ||
       cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
@@ -311,18 +308,13 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t num_pieces = (rows + layout.rows_per_piece - 1) / layout.rows_per_piece;
-  // One copy takes up to pieces_per_copy_ pieces of consecutive slots: each copy and each progress
-  // write costs the stream a few us, so fewer, larger copies trade them against a later first piece.
-  for (int64_t piece = 0; piece < num_pieces;) {
+  for (int64_t piece = 0; piece < num_pieces; ++piece) {
     const int slot = static_cast<int>(piece % layout.num_slots);
-    const int64_t group = std::min<int64_t>({pieces_per_copy_, num_pieces - piece, layout.num_slots - slot});
-    for (int64_t q = piece; q < piece + group; ++q)
-      if (q >= layout.num_slots)  // the owner must have summed the slot's previous piece
-        wait_for_owner(&mine->staged_freed[owner][q % layout.num_slots],
-                       staged_word(epoch, static_cast<uint32_t>(q - layout.num_slots + 1)), owner,
-                       static_cast<int>(q % layout.num_slots), stream);
+    if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
+      wait_for_owner(&mine->staged_freed[owner][slot],
+                     staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
     const int64_t row = first + piece * layout.rows_per_piece;
-    const int64_t count = std::min<int64_t>(group * layout.rows_per_piece, rows - piece * layout.rows_per_piece);
+    const int64_t count = std::min<int64_t>(layout.rows_per_piece, rows - piece * layout.rows_per_piece);
     const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                                count * row_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -330,8 +322,8 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
       CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
                                  args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
                                  cudaMemcpyDeviceToDevice, stream));
-    piece += group;
-    write_word(&theirs->staged_landed[rank_], staged_word(epoch, static_cast<uint32_t>(piece)), stream);
+    // Pieces land in order on this one stream: the owner counts them.
+    write_word(&theirs->staged_landed[rank_], staged_word(epoch, static_cast<uint32_t>(piece + 1)), stream);
   }
 }
 

@@ -93,7 +93,6 @@ class IntranodeRuntime {
   int64_t staging_offset_ = 0, staging_bytes_ = 0;
   uint32_t staged_epoch_ = 0;
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
-  int pieces_per_copy_ = 1;        // staging pieces one copy-engine transfer may carry
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,
   // the copies to one peer share its engine).

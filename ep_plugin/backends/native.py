@@ -192,7 +192,12 @@ def network_geometry(num_blocks: int, ring_slots: int, num_nodes: int) -> Tuple[
     more memory than `num_blocks` channels of `ring_slots` would.
     """
     group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, MAX_CHANNELS // num_blocks, ring_slots))
-    return num_blocks * group, ring_slots // group
+    return num_blocks * group, split_ring_slots(ring_slots, group)
+
+
+def split_ring_slots(ring_slots: int, group: int) -> int:
+    """A config's `ring_slots` per channel when a block serves `group` channels (at least 1)."""
+    return max(1, ring_slots // group)
 
 
 
@@ -493,8 +498,8 @@ class NativeBackend(Backend):
         and blocks, with `config`'s ring slots split among a block's channels."""
         B = handle.num_blocks
         self._check_internode_sms(B)
-        group = handle.num_channels // B
-        return handle.num_channels, B, max(1, config.num_max_rdma_chunked_recv_tokens // group)
+        return (handle.num_channels, B,
+                split_ring_slots(config.num_max_rdma_chunked_recv_tokens, handle.num_channels // B))
 
     def _prepare_rings(self, kind: int, geometry: Tuple[int, int, int], after_notify: bool) -> None:
         """Keep the network leg's rings consistent when a call changes their geometry.
