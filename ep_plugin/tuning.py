@@ -99,8 +99,10 @@ class Config:
         num_max_nvl_chunked_send_tokens: tokens a sender publishes at once (kept for DeepEP
             compatibility; the native kernels publish every token).
         num_max_nvl_chunked_recv_tokens: ring capacity per (channel, peer) in tokens.
-        num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the
-            network leg of internode mode.
+        num_max_rdma_chunked_send_tokens: rows a network-leg sender announces at once (internode
+            mode): one put with signal over the network, one counter update over NVLink.
+        num_max_rdma_chunked_recv_tokens: ring capacity per (channel, node) in tokens of the
+            network leg (split among a block's sub-channels).
     """
 
     def __init__(self, num_sms: int = 20,

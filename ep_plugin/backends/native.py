@@ -568,7 +568,8 @@ class NativeBackend(Backend):
         send_pos = self._empty(T, N, dtype=torch.int32)
         slot_bytes = _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, K, has_weights)
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=True)
-        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S,
+                     send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, num_tokens=T,
                      row_bytes=row_bytes, num_scales=num_scales, num_topk=K, has_weights=has_weights, x=_address(x),
                      x_scales=_address(x_scales), topk_idx=_address(topk_idx), topk_weights=_address(topk_weights),
                      is_token_in_node=_address(is_token_in_node), send_pos=_address(send_pos),
@@ -638,7 +639,8 @@ class NativeBackend(Backend):
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=False)
         fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
         fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
-        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S,
+                     send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, num_tokens=T,
                      row_bytes=row_bytes, num_scales=num_scales, num_topk=0, has_weights=False, x=_address(x),
                      x_scales=_address(x_scales),
                      topk_idx=0, topk_weights=0, is_token_in_node=_address(handle.is_token_in_node), send_pos=0,
@@ -680,7 +682,8 @@ class NativeBackend(Backend):
         self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
         combined_x = self._empty(T, H, dtype=torch.bfloat16)
         combined_weights = None if topk_weights is None else self._empty(T, K, dtype=torch.float32)
-        net.combine(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, hidden=H, num_topk=K,
+        net.combine(num_channels=C, num_blocks=B, ring_slots=S,
+                    send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, hidden=H, num_topk=K,
                     capacity=F,
                     partial_x=_address(partial_x), partial_weights=_address(partial_weights),
                     recv_offsets=_address(handle.recv_offsets), num_tokens=T,
