@@ -61,6 +61,29 @@ __device__ void send_ring(const CombineArgs& a, int ch, int src) {
   if (lane == 0) a.c.ptr.sent_base[counter] = base + count;
 }
 
+constexpr int kSumUnroll = 4;  // units of 8 bf16 channels a lane sums per step
+
+// Adds units first_unit + 32 j (j < kSumUnroll, below `units`) of `row` (bf16) into acc[j]; all loads
+// are issued before the first add. `read_only`: user input (non-coherent loads), else ring slots.
+__device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][8], const int4* row, int64_t first_unit,
+                                          int64_t units, bool read_only) {
+  int4 values[kSumUnroll];
+#pragma unroll
+  for (int j = 0; j < kSumUnroll; ++j) {
+    const int64_t u = first_unit + 32 * j;
+    if (u < units) values[j] = read_only ? ld_nc_v4(row + u) : ld_cg_v4(row + u);
+  }
+#pragma unroll
+  for (int j = 0; j < kSumUnroll; ++j)
+    if (first_unit + 32 * j < units) add_bf16x8(acc[j], values[j]);
+}
+
+// Row `token` of a [T, hidden] bf16 bias, or nullptr.
+__device__ __forceinline__ const int4* bias_row(const void* bias, int token, int hidden) {
+  if (bias == nullptr) return nullptr;
+  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(bias) + static_cast<int64_t>(token) * hidden * 2);
+}
+
 // Barrier of one receiver warp group (named barrier `group + 1`; 0 is __syncthreads).
 __device__ __forceinline__ void sync_group(int group, int num_warps) {
   asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
@@ -106,28 +129,32 @@ __device__ void receive_channel(const CombineArgs& a, int ch, int group, int num
       }
       // NOTE: lane 0's acquires, then the warp barrier, order the slots' bytes before the ld.cg reads.
       __syncwarp();
-      // Sum in fp32, node by node (fixed order), then the biases; 8 channels per lane and step.
+      // Sum in fp32, node by node (fixed order), then the biases. A lane takes kSumUnroll units of 8
+      // channels per step and issues one node's loads of them together (one latency per node).
       const int64_t units = hidden / 8;
-      for (int64_t u = lane; u < units; u += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int4* biases[2] = {bias_row(a.bias_0, token, hidden), bias_row(a.bias_1, token, hidden)};
+      int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + static_cast<int64_t>(token) * hidden * 2);
+      for (int64_t first_unit = lane; first_unit < units; first_unit += 32 * kSumUnroll) {
+        float acc[kSumUnroll][8] = {};
         for (int n = 0; n < N; ++n) {
           const int p = pos[n];
           if (p < 0) continue;
           const uint8_t* ring_slot =
               a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
-          add_bf16x8(acc, ld_cg_v4(reinterpret_cast<const int4*>(ring_slot + slot.row_offset()) + u));
+          add_units(acc, reinterpret_cast<const int4*>(ring_slot + slot.row_offset()), first_unit, units, false);
         }
-        if (a.bias_0 != nullptr)
-          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.bias_0) +
-                                                                 static_cast<int64_t>(token) * hidden * 2) + u));
-        if (a.bias_1 != nullptr)
-          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.bias_1) +
-                                                                 static_cast<int64_t>(token) * hidden * 2) + u));
-        int4 out;
-        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+        for (const int4* bias : biases)
+          if (bias != nullptr) add_units(acc, bias, first_unit, units, true);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + static_cast<int64_t>(token) * hidden * 2)[u] = out;
+        for (int j = 0; j < kSumUnroll; ++j) {
+          const int64_t u = first_unit + 32 * j;
+          if (u >= units) continue;
+          int4 out;
+          __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[j][2 * i], acc[j][2 * i + 1]);
+          out_row[u] = out;
+        }
       }
       if (a.combined_weights != nullptr) {
         for (int k = lane; k < K; k += 32) {

@@ -174,7 +174,7 @@ class InternodeHandle:
     send_counts: torch.Tensor        # [N * C] int32
     recv_offsets: torch.Tensor       # [N * C + 1] int32
     num_forward_rows: int            # forwarder rows (received over the network, or the graph capacity)
-    node: "NativeHandle"             # the intranode stage
+    node: Optional["NativeHandle"]   # the intranode stage; None with one rank per node (no stage)
     perm: Optional[torch.Tensor]     # [rows] int64, or None (one rank per node)
     inv_perm: Optional[torch.Tensor]
 
@@ -579,6 +579,15 @@ class NativeBackend(Backend):
 
         # Intranode stage: the forwarder rows are this rank's "tokens" inside the node.
         node_topk = self._node_relative_ids(fwd_topk, num_local_experts)
+        if L == 1:
+            recv_topk_weights, per_expert = self._lone_rank_outputs(node_topk, fwd_weights, num_local_experts,
+                                                                    expert_alignment, graph)
+            handle = InternodeHandle(owner=self, num_tokens=T, num_recv_rows=F, num_worst_tokens=num_worst_tokens,
+                                     num_channels=C, num_blocks=B, dispatch_slot_bytes=slot_bytes,
+                                     is_token_in_node=is_token_in_node, send_pos=send_pos, send_counts=send_counts,
+                                     recv_offsets=recv_offsets, num_forward_rows=F, node=None, perm=None,
+                                     inv_perm=None)
+            return fwd_x, fwd_scales, node_topk, recv_topk_weights, per_expert, handle
         node_experts = L * num_local_experts
         node_per_rank = self._empty(L, dtype=torch.int32)
         node_per_expert = self._empty(node_experts, dtype=torch.int32)
@@ -605,6 +614,18 @@ class NativeBackend(Backend):
                                  send_pos=send_pos, send_counts=send_counts, recv_offsets=recv_offsets,
                                  num_forward_rows=F, node=node, perm=perm, inv_perm=inv_perm)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
+
+    def _lone_rank_outputs(self, local_topk: torch.Tensor, weights: Optional[torch.Tensor], num_local_experts: int,
+                           expert_alignment: int, graph: bool):
+        """One rank per node: the forwarder rows already are this rank's received rows, in the
+        reference order, so the intranode stage (which would copy them unchanged) is skipped. What it
+        would add: weights of other ranks' experts (and of padding rows) become 0, and the aligned
+        per-expert counts (host mode only, as there)."""
+        recv_weights = None if weights is None else torch.where(local_topk >= 0, weights, torch.zeros_like(weights))
+        if graph:
+            return recv_weights, []
+        counts = torch.bincount(local_topk[local_topk >= 0], minlength=num_local_experts).tolist()
+        return recv_weights, [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
 
     def _source_order(self, recv_offsets: torch.Tensor, F: int, C: int, node: "NativeHandle", config: Config):
         """Permutation that puts the intranode stage's rows (by forwarder, then source node, then token)
@@ -648,6 +669,8 @@ class NativeBackend(Backend):
                      recv_x_scales=_address(fwd_scales), recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0,
                      stream=self._stream())
         node = handle.node
+        if node is None:  # one rank per node: the forwarder rows are the received rows
+            return fwd_x, fwd_scales
         rows = node.num_recv_rows
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
         recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
@@ -667,16 +690,11 @@ class NativeBackend(Backend):
             x = _take(x, handle.inv_perm)
             topk_weights = _take(topk_weights, handle.inv_perm)
         node = handle.node
-        # Intranode stage: one partial row per forwarder row, reduced over the node's ranks.
-        partial_x = self._empty(F, H, dtype=torch.bfloat16)
-        partial_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
-        self._intranode().combine(
-            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=F, hidden=H, num_topk=K, x=_address(x),
-            topk_weights=_address(topk_weights), recv_src_idx=_address(node.recv_src_idx),
-            recv_rank_offsets=_address(node.recv_rank_offsets), src_num_tokens=_address(node.src_num_tokens),
-            send_pos=_address(node.send_pos), bias_0=0, bias_1=0, combined_x=_address(partial_x),
-            combined_topk_weights=_address(partial_weights), stream=self._stream())
+        if node is None:  # one rank per node: the rows are the forwarder rows' partial sums already
+            partial_x = x.contiguous()
+            partial_weights = None if topk_weights is None else topk_weights.float().contiguous()
+        else:
+            partial_x, partial_weights = self._node_combine(x, topk_weights, node, F, config)
         # Network leg: one row per (token, node) back to the source, summed there with the biases.
         slot_bytes = _C_nvshmem.internode_combine_slot_bytes(H, K)
         self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
@@ -692,6 +710,21 @@ class NativeBackend(Backend):
                     combined_x=_address(combined_x), combined_weights=_address(combined_weights),
                     stream=self._stream())
         return combined_x, combined_weights
+
+    def _node_combine(self, x, topk_weights, node: NativeHandle, F: int, config: Config):
+        """Intranode stage of combine: one partial row per forwarder row, reduced over the node's ranks."""
+        H = x.size(1)
+        K = 0 if topk_weights is None else topk_weights.size(1)
+        partial_x = self._empty(F, H, dtype=torch.bfloat16)
+        partial_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
+        self._intranode().combine(
+            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
+            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=F, hidden=H, num_topk=K, x=_address(x),
+            topk_weights=_address(topk_weights), recv_src_idx=_address(node.recv_src_idx),
+            recv_rank_offsets=_address(node.recv_rank_offsets), src_num_tokens=_address(node.src_num_tokens),
+            send_pos=_address(node.send_pos), bias_0=0, bias_1=0, combined_x=_address(partial_x),
+            combined_topk_weights=_address(partial_weights), stream=self._stream())
+        return partial_x, partial_weights
 
     def handle_num_recv_rows(self, handle: NativeHandle) -> int:
         return handle.num_recv_rows
