@@ -47,7 +47,7 @@ def test_limits_match_the_extension():
     assert tuning.INTERNODE_HEADER_BYTES == _C_nvshmem.INTERNODE_HEADER_BYTES
     assert tuning.INTERNODE_MAX_NODES == _C_nvshmem.INTERNODE_MAX_NODES
     assert tuning.INTERNODE_SLOT_EXTRA_BYTES == _C_nvshmem.INTERNODE_SLOT_EXTRA_BYTES
-    assert tuning.MAX_CHANNELS == _C_nvshmem.INTERNODE_MAX_CHANNELS
+    assert tuning.INTERNODE_MAX_CHANNELS == _C_nvshmem.INTERNODE_MAX_CHANNELS
 
 
 @needs_module
@@ -80,14 +80,15 @@ def test_hint_slots_hold_every_row_they_are_sized_for():
 def test_network_geometry_fills_the_warps_within_the_hint():
     from ep_plugin.backends.native import NET_WARPS_PER_BLOCK, network_geometry
     assert NET_WARPS_PER_BLOCK == _C_nvshmem.INTERNODE_WARPS_PER_BLOCK
-    assert network_geometry(12, 256, 2) == (60, 51)    # 5 sub-channels per block: the 64-channel limit
-    assert network_geometry(4, 256, 2) == (32, 32)     # 8: one warp per (sub-channel, node)
+    assert network_geometry(12, 256, 2) == (96, 32)    # 8: one warp per (sub-channel, node)
+    assert network_geometry(4, 256, 2) == (32, 32)
+    assert network_geometry(32, 256, 2) == (128, 64)   # 4 sub-channels per block: the 128-channel limit
     assert network_geometry(12, 256, 16) == (12, 256)  # as many nodes as warps: no sub-channels
     assert network_geometry(12, 3, 2) == (36, 1)       # never fewer than one slot per ring
     for blocks, slots, nodes in itertools.product([1, 4, 12, 32, 64], [1, 2, 16, 256], [1, 2, 3, 8, 16, 32]):
         channels, ring_slots = network_geometry(blocks, slots, nodes)
         group = channels // blocks
-        assert channels == blocks * group and 1 <= channels <= tuning.MAX_CHANNELS
+        assert channels == blocks * group and 1 <= channels <= tuning.INTERNODE_MAX_CHANNELS
         assert group * nodes <= max(NET_WARPS_PER_BLOCK, nodes)
         assert 1 <= ring_slots and channels * ring_slots <= blocks * slots  # the size hint still holds
 

@@ -50,7 +50,7 @@
 namespace ep_plugin::internode {
 
 constexpr int kMaxNodes = 256;          // column peers (nodes) of one group
-constexpr int kMaxChannels = 64;        // = ep_plugin.tuning.MAX_CHANNELS
+constexpr int kMaxChannels = 128;       // = ep_plugin.tuning.INTERNODE_MAX_CHANNELS (sub-channels: up to 2 per SM)
 constexpr int kMaxTopk = 32;            // = ep_plugin.tuning.MAX_TOPK
 constexpr int kThreads = 512;           // threads of every internode kernel block
 constexpr int kWarps = kThreads / 32;
@@ -59,7 +59,7 @@ constexpr int kSlotMetaBytes = 16;      // SlotMeta at the start of every slot
 // top-k, and 16 bytes of alignment slack (FP8 rows carry their scales in the row budget).
 constexpr int64_t kSlotExtraBytes = kSlotMetaBytes + 8 * kMaxTopk + 4 * kMaxTopk + 16;
 constexpr int64_t kAreaAlign = 128;
-constexpr int kNotifySlotBytes = 512;   // one notify message: NotifyMessage, padded
+constexpr int kNotifySlotBytes = 1024;  // one notify message: NotifyMessage, padded
 constexpr int kNumKinds = 2;
 
 enum Kind : int { kKindDispatch = 0, kKindCombine = 1 };

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
+from ..tuning import INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
 from .base import Backend, GroupInfo
 
 try:
@@ -187,11 +187,11 @@ def network_geometry(num_blocks: int, ring_slots: int, num_nodes: int) -> Tuple[
     """(channels, slots per ring) of the network leg on `num_blocks` sender (and receiver) blocks.
 
     Each ring (channel, node) has one warp on each side, so with few nodes most warps of a block
-    would idle: a block serves G channels (sub-channels), G = min(warps / nodes, MAX_CHANNELS /
-    blocks, ring_slots), and the config's `ring_slots` are split among them, so the rings take no
-    more memory than `num_blocks` channels of `ring_slots` would.
+    would idle: a block serves G channels (sub-channels), G = min(warps / nodes,
+    INTERNODE_MAX_CHANNELS / blocks, ring_slots), and the config's `ring_slots` are split among
+    them, so the rings take no more memory than `num_blocks` channels of `ring_slots` would.
     """
-    group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, MAX_CHANNELS // num_blocks, ring_slots))
+    group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, INTERNODE_MAX_CHANNELS // num_blocks, ring_slots))
     return num_blocks * group, split_ring_slots(ring_slots, group)
 
 
@@ -624,7 +624,10 @@ class NativeBackend(Backend):
         recv_weights = None if weights is None else torch.where(local_topk >= 0, weights, torch.zeros_like(weights))
         if graph:
             return recv_weights, []
-        counts = torch.bincount(local_topk[local_topk >= 0], minlength=num_local_experts).tolist()
+        # Ids of other ranks' experts count into an extra bucket; one host sync (the list), as DeepEP's.
+        ids = torch.where(local_topk >= 0, local_topk, num_local_experts).flatten()
+        buckets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=ids.device)
+        counts = buckets.scatter_add_(0, ids, torch.ones_like(ids))[:num_local_experts].tolist()
         return recv_weights, [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
 
     def _source_order(self, recv_offsets: torch.Tensor, F: int, C: int, node: "NativeHandle", config: Config):
