@@ -78,6 +78,25 @@ __device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][8], const int
     if (first_unit + 32 * j < units) add_bf16x8(acc[j], values[j]);
 }
 
+// The same for two ring rows (ld.cg; either may be nullptr): every load of both is issued before
+// the first add, and rows[0] is added before rows[1] (the summation order stays node order).
+__device__ __forceinline__ void add_unit_pairs(float (&acc)[kSumUnroll][8], const int4* const (&rows)[2],
+                                               int64_t first_unit, int64_t units) {
+  int4 values[2][kSumUnroll];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < kSumUnroll; ++j) {
+      const int64_t u = first_unit + 32 * j;
+      if (rows[r] != nullptr && u < units) values[r][j] = ld_cg_v4(rows[r] + u);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < kSumUnroll; ++j)
+      if (rows[r] != nullptr && first_unit + 32 * j < units) add_bf16x8(acc[j], values[r][j]);
+}
+
 // Row `token` of a [T, hidden] bf16 bias, or nullptr.
 __device__ __forceinline__ const int4* bias_row(const void* bias, int token, int hidden) {
   if (bias == nullptr) return nullptr;
@@ -130,18 +149,22 @@ __device__ void receive_channel(const CombineArgs& a, int ch, int group, int num
       // NOTE: lane 0's acquires, then the warp barrier, order the slots' bytes before the ld.cg reads.
       __syncwarp();
       // Sum in fp32, node by node (fixed order), then the biases. A lane takes kSumUnroll units of 8
-      // channels per step and issues one node's loads of them together (one latency per node).
+      // channels per step and issues two nodes' loads of them together (one latency per two nodes).
       const int64_t units = hidden / 8;
       const int4* biases[2] = {bias_row(a.bias_0, token, hidden), bias_row(a.bias_1, token, hidden)};
       int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + static_cast<int64_t>(token) * hidden * 2);
       for (int64_t first_unit = lane; first_unit < units; first_unit += 32 * kSumUnroll) {
         float acc[kSumUnroll][8] = {};
-        for (int n = 0; n < N; ++n) {
-          const int p = pos[n];
-          if (p < 0) continue;
-          const uint8_t* ring_slot =
-              a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
-          add_units(acc, reinterpret_cast<const int4*>(ring_slot + slot.row_offset()), first_unit, units, false);
+        for (int n = 0; n < N;) {
+          const int4* rows[2] = {nullptr, nullptr};  // the next two nodes this token went to, in order
+          for (int found = 0; n < N && found < 2; ++n) {
+            const int p = pos[n];
+            if (p < 0) continue;
+            const uint8_t* ring_slot =
+                a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
+            rows[found++] = reinterpret_cast<const int4*>(ring_slot + slot.row_offset());
+          }
+          add_unit_pairs(acc, rows, first_unit, units);
         }
         for (const int4* bias : biases)
           if (bias != nullptr) add_units(acc, bias, first_unit, units, true);
