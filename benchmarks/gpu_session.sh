@@ -22,7 +22,7 @@
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
-#              skips them), then an emulated bench
+#              skips them), then an emulated bench, direct (NVLink stores) and EP_PLUGIN_NETWORK_PUTS=1
 #   megatron   Megatron GPU tests and the layer benchmark at MEGATRON_RANKS (default 2) GPUs, then ep_plugin alone with the
 #              combine on the SMs (carry .whl with the megatron-core cp312 wheel;
 #              MEGATRON_PROFILE=1 adds torch.profiler tables of the dispatcher round and the layer step per dispatcher)
@@ -143,6 +143,9 @@ for s in $STAGES; do
       # Emulation: 2 "nodes" x 1 GPU; the network leg runs through NVSHMEM over NVLink underneath.
       printf 'backend: native\ntransport: nvlink\ntopology: {ranks_per_node: 1}\n' > /tmp/emulated_2x1.yaml
       bench internode_emulated_bf16 --config /tmp/emulated_2x1.yaml --num-sms 24 --dtype bf16
+      # The same through the network path (staged puts with signal), what real RDMA runs.
+      EP_PLUGIN_NETWORK_PUTS=1 bench internode_emulated_bf16_puts --config /tmp/emulated_2x1.yaml --num-sms 24 \
+        --dtype bf16 --no-baseline
       ;;
     megatron)
       if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then

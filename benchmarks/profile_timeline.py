@@ -11,6 +11,7 @@ the bytes it moves says whether it is bound by NVLink or by its SMs.
 
     python3 benchmarks/profile_timeline.py --out-dir /tmp/timeline            # GPU machine
     python3 benchmarks/profile_timeline.py --backend reference --ranks 2 ...   # anywhere (gloo on CPU)
+    python3 benchmarks/profile_timeline.py --ranks-per-node 1 ...              # internode, emulated nodes
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     device = rank_device(rank)
     config = {"backend": args.backend, "num_sms": args.num_sms, "check_inputs": False,
               "buffer": {"max_hidden": args.hidden}}
+    if args.ranks_per_node is not None:  # e.g. 1 on one host: emulated nodes, the internode path
+        config.update(transport="nvlink", topology={"ranks_per_node": args.ranks_per_node})
     buffer = Buffer.from_config(group, config, explicitly_destroy=True)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16).to(device)
@@ -103,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="topology.ranks_per_node (fewer than the ranks: internode mode, emulated on one host)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rows", type=int, default=20, help="rows of the kernel table")

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -316,6 +317,10 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, 
   place_.node = rank / ranks_per_node;
   place_.local = rank % ranks_per_node;
   place_.num_nodes = num_ranks / ranks_per_node;
+  // Diagnostic: the network leg's RDMA code path (staged puts with signal) even between ranks that
+  // NVLink joins, so an NVLink-only machine runs it too.
+  const char* puts = std::getenv("EP_PLUGIN_NETWORK_PUTS");
+  puts_only_ = puts != nullptr && std::string(puts) == "1";
 
   memory_.open(rank, num_ranks, num_rdma_bytes, internode::kHeaderBytes, unique_id, "an internode Buffer");
 }
@@ -349,6 +354,7 @@ internode::Common InternodeRuntime::common(int kind) const {
   c.status = memory_.status_device;
   c.error_claim = &c.ptr.state->error_claim;
   c.timeout_ns = timeout_ns_;
+  c.puts_only = puts_only_;
   return c;
 }
 

@@ -109,6 +109,8 @@ class InternodeRuntime {
   int num_nodes() const { return place_.num_nodes; }
   int64_t num_rdma_bytes() const { return num_rdma_bytes_; }
   std::vector<bool> direct_peers() const;
+  // Whether the network leg stages and puts even to peers NVLink reaches (EP_PLUGIN_NETWORK_PUTS=1).
+  bool puts_only() const { return puts_only_; }
 
   // Fill the runtime-owned fields of the Args and launch. `notify` resets the host-visible result
   // first; `wait_notify` returns the rows received over the network (non-graph dispatch).
@@ -129,6 +131,7 @@ class InternodeRuntime {
   std::string describe_device_error() const;
 
   internode::Place place_{};
+  bool puts_only_ = false;  // EP_PLUGIN_NETWORK_PUTS=1
   int num_ranks_;
   int64_t num_rdma_bytes_;
   double timeout_s_;

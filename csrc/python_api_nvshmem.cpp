@@ -129,7 +129,7 @@ void internode_notify(InternodeRuntime& runtime, int num_channels, int num_token
   runtime.notify(args, as_stream(stream));
 }
 
-void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots,
+void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int send_chunk,
                         int64_t slot_bytes, int num_tokens, int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t x,
                         uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t is_token_in_node,
                         uintptr_t send_pos, uintptr_t recv_offsets, int capacity, uintptr_t recv_x,
@@ -138,6 +138,8 @@ void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blo
   internode::DispatchArgs args{};
   args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
   args.num_blocks = checked_num_blocks(num_channels, num_blocks);
+  EP_CHECK_ARG(send_chunk >= 1, "num_max_rdma_chunked_send_tokens must be positive, got " << send_chunk);
+  args.send_chunk = send_chunk;
   args.slot = make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights);
   EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
   EP_CHECK_ARG(capacity >= 0, "capacity must be non-negative");
@@ -159,7 +161,8 @@ void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blo
   runtime.dispatch(args, as_stream(stream));
 }
 
-void internode_combine(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int64_t slot_bytes,
+void internode_combine(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int send_chunk,
+                       int64_t slot_bytes,
                        int hidden,
                        int num_topk, int capacity, uintptr_t partial_x, uintptr_t partial_weights,
                        uintptr_t recv_offsets, int num_tokens, uintptr_t is_token_in_node, uintptr_t send_pos,
@@ -168,6 +171,8 @@ void internode_combine(InternodeRuntime& runtime, int num_channels, int num_bloc
   internode::CombineArgs args{};
   args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
   args.num_blocks = checked_num_blocks(num_channels, num_blocks);
+  EP_CHECK_ARG(send_chunk >= 1, "num_max_rdma_chunked_send_tokens must be positive, got " << send_chunk);
+  args.send_chunk = send_chunk;
   EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8, got " << hidden);
   EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk, "top-k must be in [0, " << internode::kMaxTopk << "]");
   args.slot = internode::CombineSlot{hidden, num_topk};
@@ -278,6 +283,7 @@ PYBIND11_MODULE(_C_nvshmem, m) {
       .def_property_readonly("num_rdma_bytes", &InternodeRuntime::num_rdma_bytes)
       .def_property_readonly("num_nodes", &InternodeRuntime::num_nodes)
       .def("direct_peers", &InternodeRuntime::direct_peers)
+      .def_property_readonly("puts_only", &InternodeRuntime::puts_only)
       .def("check_device_error", &InternodeRuntime::check_device_error)
       .def("destroy", [](InternodeRuntime& self, bool collective) {
              py::gil_scoped_release release;
@@ -293,13 +299,15 @@ PYBIND11_MODULE(_C_nvshmem, m) {
              py::gil_scoped_release release;
              return self.wait_notify(tag, as_stream(stream));
            }, py::arg("tag"), py::arg("stream"))
-      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"), py::arg("slot_bytes"),
+      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"),
+           py::arg("send_chunk"), py::arg("slot_bytes"),
            py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
            py::arg("has_weights"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("is_token_in_node"), py::arg("send_pos"), py::arg("recv_offsets"), py::arg("capacity"),
            py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
            py::arg("recv_src_idx"), py::arg("stream"))
-      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"), py::arg("slot_bytes"),
+      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"),
+           py::arg("send_chunk"), py::arg("slot_bytes"),
            py::arg("hidden"), py::arg("num_topk"), py::arg("capacity"), py::arg("partial_x"),
            py::arg("partial_weights"), py::arg("recv_offsets"), py::arg("num_tokens"), py::arg("is_token_in_node"),
            py::arg("send_pos"), py::arg("send_counts"), py::arg("bias_0"), py::arg("bias_1"),

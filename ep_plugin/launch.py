@@ -12,7 +12,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -32,10 +31,11 @@ EXIT_GRACE_S = 15.0
 STACK_DUMP_ENV = "EP_PLUGIN_STACK_DUMP_S"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def rendezvous_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The ranks' rendezvous, served by the parent on a port the OS picks when it binds (a port
+    picked first and bound later by rank 0 can be taken in between: EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
 
 
 # Set by whoever started CUDA MPS (benchmarks/gpu_session.sh): how many ranks may share one GPU.
@@ -102,11 +102,13 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     try:
         if torch.cuda.is_available():
             torch.cuda.set_device(rank_device(rank))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
-            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s), device_id=rank_device(rank))
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
         outcome = (rank, True, fn(rank, world_size, dist.group.WORLD, *args))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
         outcome = (rank, False, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
@@ -183,7 +185,8 @@ def parallel_launch(world_size: int, fn: Callable, *args: Any, backend: Optional
     backend = backend or default_backend(world_size)
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    store = rendezvous_store(world_size, timeout_s)  # NOTE: alive until every rank has exited
+    port = store.port
     processes = [context.Process(target=_rank_main,
                                  args=(rank, world_size, port, backend, timeout_s, fn, args, results))
                  for rank in range(world_size)]

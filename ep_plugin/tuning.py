@@ -32,13 +32,16 @@ LL_AREA_ALIGN = 128
 LL_HEADER_BYTES = 2 * ((2 * LL_MAX_EXPERTS * 8 + 128 + 4095) // 4096 * 4096)
 
 # Internode normal mode (csrc/kernels/internode_layout.cuh): a fixed header (notify slots and
-# signal words for 256 nodes, ring counters for 2 kinds x 64 channels x 256 nodes, state), rounded
-# up to 1 MiB; slots of align16(hidden_bytes) + 416 bytes.
+# signal words for 256 nodes, ring counters for 2 kinds x 128 channels x 256 nodes, state), rounded
+# up to 1 MiB; slots of align16(hidden_bytes) + 416 bytes. The network leg's channels are
+# sub-channels: a block of 16 warps serves up to 16 / nodes of them.
 INTERNODE_MAX_NODES = 256
+INTERNODE_MAX_CHANNELS = 128
+INTERNODE_NOTIFY_SLOT_BYTES = 1024
 INTERNODE_SLOT_EXTRA_BYTES = 16 + 8 * MAX_TOPK + 4 * MAX_TOPK + 16
 INTERNODE_AREA_ALIGN = 128
-INTERNODE_HEADER_BYTES = (4 * INTERNODE_MAX_NODES * 512 + 8 * INTERNODE_MAX_NODES
-                          + 4 * 8 * 2 * MAX_CHANNELS * INTERNODE_MAX_NODES + 128 + (1 << 20) - 1) >> 20 << 20
+INTERNODE_HEADER_BYTES = (4 * INTERNODE_MAX_NODES * INTERNODE_NOTIFY_SLOT_BYTES + 8 * INTERNODE_MAX_NODES
+                          + 4 * 8 * 2 * INTERNODE_MAX_CHANNELS * INTERNODE_MAX_NODES + 128 + (1 << 20) - 1) >> 20 << 20
 
 
 def _align(value: int, alignment: int) -> int:
@@ -99,8 +102,10 @@ class Config:
         num_max_nvl_chunked_send_tokens: tokens a sender publishes at once (kept for DeepEP
             compatibility; the native kernels publish every token).
         num_max_nvl_chunked_recv_tokens: ring capacity per (channel, peer) in tokens.
-        num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the
-            network leg of internode mode.
+        num_max_rdma_chunked_send_tokens: rows a network-leg sender announces at once (internode
+            mode): one put with signal over the network, one counter update over NVLink.
+        num_max_rdma_chunked_recv_tokens: ring capacity per (channel, node) in tokens of the
+            network leg (split among a block's sub-channels).
     """
 
     def __init__(self, num_sms: int = 20,

@@ -5,7 +5,8 @@ struct; backend selection keeps the reference for `auto` until the kernels are v
 
 GPU part (skipped without 2 GPUs or without the NVSHMEM module): one host emulates several nodes
 with `topology: {ranks_per_node: 1}` (2 GPUs = 2 nodes x 1 GPU), so the network leg runs between
-"nodes" through NVSHMEM (NVLink underneath). 4-GPU variants (2 nodes x 2 GPUs, 4 x 1) run where 4
+"nodes" through NVSHMEM (NVLink underneath: direct stores into the peer's rings, and, with
+EP_PLUGIN_NETWORK_PUTS=1, the staged puts with signal that a real network takes). 4-GPU variants (2 nodes x 2 GPUs, 4 x 1) run where 4
 GPUs exist. Every case draws fresh random data; routing metadata and copied payloads must be
 bit-identical to the reference, combine sums equal up to fp32 summation order.
 
@@ -15,6 +16,7 @@ Run on the GPU machine (2x H200):
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -45,7 +47,7 @@ def test_limits_match_the_extension():
     assert tuning.INTERNODE_HEADER_BYTES == _C_nvshmem.INTERNODE_HEADER_BYTES
     assert tuning.INTERNODE_MAX_NODES == _C_nvshmem.INTERNODE_MAX_NODES
     assert tuning.INTERNODE_SLOT_EXTRA_BYTES == _C_nvshmem.INTERNODE_SLOT_EXTRA_BYTES
-    assert tuning.MAX_CHANNELS == _C_nvshmem.INTERNODE_MAX_CHANNELS
+    assert tuning.INTERNODE_MAX_CHANNELS == _C_nvshmem.INTERNODE_MAX_CHANNELS
 
 
 @needs_module
@@ -78,14 +80,15 @@ def test_hint_slots_hold_every_row_they_are_sized_for():
 def test_network_geometry_fills_the_warps_within_the_hint():
     from ep_plugin.backends.native import NET_WARPS_PER_BLOCK, network_geometry
     assert NET_WARPS_PER_BLOCK == _C_nvshmem.INTERNODE_WARPS_PER_BLOCK
-    assert network_geometry(12, 256, 2) == (60, 51)    # 5 sub-channels per block: the 64-channel limit
-    assert network_geometry(4, 256, 2) == (32, 32)     # 8: one warp per (sub-channel, node)
+    assert network_geometry(12, 256, 2) == (96, 32)    # 8: one warp per (sub-channel, node)
+    assert network_geometry(4, 256, 2) == (32, 32)
+    assert network_geometry(32, 256, 2) == (128, 64)   # 4 sub-channels per block: the 128-channel limit
     assert network_geometry(12, 256, 16) == (12, 256)  # as many nodes as warps: no sub-channels
     assert network_geometry(12, 3, 2) == (36, 1)       # never fewer than one slot per ring
     for blocks, slots, nodes in itertools.product([1, 4, 12, 32, 64], [1, 2, 16, 256], [1, 2, 3, 8, 16, 32]):
         channels, ring_slots = network_geometry(blocks, slots, nodes)
         group = channels // blocks
-        assert channels == blocks * group and 1 <= channels <= tuning.MAX_CHANNELS
+        assert channels == blocks * group and 1 <= channels <= tuning.INTERNODE_MAX_CHANNELS
         assert group * nodes <= max(NET_WARPS_PER_BLOCK, nodes)
         assert 1 <= ring_slots and channels * ring_slots <= blocks * slots  # the size hint still holds
 
@@ -208,9 +211,17 @@ CASES = NORMAL_MODE_CASES + (
 )
 
 
-def cases_rank(rank: int, R: int, group, ranks_per_node: int, names) -> dict:
+def cases_rank(rank: int, R: int, group, ranks_per_node: int, names, network_puts: bool = False) -> dict:
+    """Runs the named cases. `network_puts`: the network leg stages and puts with signal (the code
+    path of real RDMA) instead of storing straight into its NVLink peers."""
     torch.manual_seed(rank)
+    if network_puts:
+        os.environ["EP_PLUGIN_NETWORK_PUTS"] = "1"
     native, reference = make_buffers(group, ranks_per_node)
+    net = native._backend._net
+    if net.puts_only != network_puts or (not network_puts and not all(net.direct_peers())):
+        raise AssertionError(f"rank {rank}: network path is not the one under test (puts_only={net.puts_only}, "
+                             f"direct peers {net.direct_peers()})")
     by_name = {c["name"]: c for c in CASES}
     seeds = {name: 1000 + i for i, name in enumerate(by_name)}
     results = run_each({name: (lambda c=by_name[name]: run_case(native, reference, rank, R, c, seeds[c["name"]]))
@@ -233,6 +244,23 @@ def two_node_results():
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_emulated_two_nodes(two_node_results, case):
     assert_case_passed(two_node_results, case, "2 GPUs as 2 nodes x 1 GPU")
+
+
+# The RDMA path of the network leg (staged puts with signal, announced in chunks), which direct
+# stores replace between NVLink peers: the cases that stress the rings and every row layout.
+PUTS_CASE_NAMES = ["hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one", "empty_rank", "no_weights", "bias2",
+                   "small_ring", "one_slot", "ring_change", "sms2", "sms48", "large"]
+
+
+@pytest.fixture(scope="module")
+def network_puts_results():
+    return parallel_launch(2, cases_rank, 1, PUTS_CASE_NAMES, True, timeout_s=480.0)
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("case", PUTS_CASE_NAMES)
+def test_emulated_two_nodes_through_network_puts(network_puts_results, case):
+    assert_case_passed(network_puts_results, case, "2 GPUs as 2 nodes x 1 GPU, EP_PLUGIN_NETWORK_PUTS=1")
 
 
 @needs_gpus(4)

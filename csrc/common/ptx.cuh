@@ -16,6 +16,16 @@ __device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+// Adds to a word that a peer polls (local or a peer's mapping). The release form first makes every
+// store this thread has observed visible at system scope.
+__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* ptr) {
   uint32_t value;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");

@@ -7,11 +7,11 @@
 // channels b, b + B, ... (C / B sub-channels, as in dispatch).
 // - Sender: one warp per (sub-channel ch, source node) ring; rows recv_offsets[src * C + ch] .. +count
 //   go, in order, into ring (ch, this node) of that source.
-// - Receiver: the block takes its sub-channels one after another (their senders run meanwhile, up
-//   to a full ring each). A channel's tokens go in groups of G = min(kWarps, S), one token per warp.
-//   A token's row from node n is slot send_pos[t, n] of ring (ch, n); rows of one ring arrive in
-//   token order, so after a group every ring has been consumed up to a known count, which is
-//   returned to its forwarder. G <= S keeps every slot a group needs within the sender's window.
+// - Receiver: one warp group of W = kWarps / (C / B) warps per sub-channel, all at once. A channel's
+//   tokens go in batches of G = min(W, S), one token per warp. A token's row from node n is slot
+//   send_pos[t, n] of ring (ch, n); rows of one ring arrive in token order, so after a batch every
+//   ring has been consumed up to a known count, which is returned to its forwarder. G <= S keeps
+//   every slot a batch needs within the sender's window.
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
@@ -24,68 +24,117 @@ namespace {
 __device__ void send_ring(const CombineArgs& a, int ch, int src) {
   const Place& place = a.c.place;
   const InternodeLayout& layout = a.layout;
-  const int C = layout.num_channels, S = layout.ring_slots;
+  const int C = layout.num_channels;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const CombineSlot& slot = a.slot;
   const int64_t row_bytes = 2LL * slot.hidden;
   const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeCombine, place.rank, ch, warp};
   const int pe = place.pe_of(src);
   const int64_t counter = counter_index(kKindCombine, ch, src);
-  uint64_t* head = a.c.ptr.head + counter;
+  const uint64_t* head = a.c.ptr.head + counter;
   const uint64_t base = a.c.ptr.sent_base[counter];
   const int first_row = a.recv_offsets[src * C + ch];
   const int count = a.recv_offsets[src * C + ch + 1] - first_row;
+  SendRing ring(a.c, a.c.ptr.area + layout.recv_slot_offset(ch, place.node, 0),
+                a.c.ptr.area + layout.send_slot_offset(ch, src, 0),
+                a.c.ptr.tail + counter_index(kKindCombine, ch, place.node), layout.slot_bytes, layout.ring_slots,
+                a.send_chunk, pe, base);
   for (int i = 0; i < count; ++i) {
     const uint64_t index = base + i;
-    const int s = static_cast<int>(index % S);
-    if (lane == 0 && index + 1 > static_cast<uint64_t>(S))
-      wait_at_least(head, index + 1 - S, site, kWaitFreeSlot, pe);
-    __syncwarp();
-    uint8_t* staged = a.c.ptr.area + layout.send_slot_offset(ch, src, s);
+    ring.wait_free(index, head, slot.bytes(), site);
+    uint8_t* out = ring.slot(index);
     const int64_t row = static_cast<int64_t>(first_row) + i;
-    if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = static_cast<int32_t>(row);
+    if (lane == 0) reinterpret_cast<SlotMeta*>(out)->src_token = static_cast<int32_t>(row);
     if (row < a.capacity) {
-      warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
+      warp_copy_bytes<Load::kReadOnly>(out + slot.row_offset(), static_cast<const uint8_t*>(a.partial_x) + row * row_bytes,
                       row_bytes);
       if (slot.num_topk > 0)
-        warp_copy_words<true>(staged + slot.weights_offset(), a.partial_weights + row * slot.num_topk,
+        warp_copy_words<true>(out + slot.weights_offset(), a.partial_weights + row * slot.num_topk,
                               4LL * slot.num_topk);
     } else {  // only after a reported overflow in dispatch: keep the protocol going with zeros
-      int4* zero = reinterpret_cast<int4*>(staged + slot.row_offset());
+      int4* zero = reinterpret_cast<int4*>(out + slot.row_offset());
       for (int64_t u = lane; u < (slot.bytes() - slot.row_offset()) / 16; u += 32) zero[u] = make_int4(0, 0, 0, 0);
     }
-    put_slot(a.c.ptr.area + layout.recv_slot_offset(ch, place.node, s), staged, slot.bytes(),
-             a.c.ptr.tail + counter_index(kKindCombine, ch, place.node), pe);
+    ring.filled(slot.bytes());
   }
+  ring.announce(slot.bytes());
   if (lane == 0) a.c.ptr.sent_base[counter] = base + count;
 }
 
+constexpr int kSumUnroll = 4;  // units of 8 bf16 channels a lane sums per step
 
-__device__ void receive_channel(const CombineArgs& a, int ch) {
-  __shared__ uint64_t ring_base[kMaxNodes];
-  __shared__ uint32_t consumed[kMaxNodes];
-  __shared__ uint32_t released[kMaxNodes];
+// Adds units first_unit + 32 j (j < kSumUnroll, below `units`) of `row` (bf16) into acc[j]; all loads
+// are issued before the first add. `read_only`: user input (non-coherent loads), else ring slots.
+__device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][8], const int4* row, int64_t first_unit,
+                                          int64_t units, bool read_only) {
+  int4 values[kSumUnroll];
+#pragma unroll
+  for (int j = 0; j < kSumUnroll; ++j) {
+    const int64_t u = first_unit + 32 * j;
+    if (u < units) values[j] = read_only ? ld_nc_v4(row + u) : ld_cg_v4(row + u);
+  }
+#pragma unroll
+  for (int j = 0; j < kSumUnroll; ++j)
+    if (first_unit + 32 * j < units) add_bf16x8(acc[j], values[j]);
+}
+
+// The same for two ring rows (ld.cg; either may be nullptr): every load of both is issued before
+// the first add, and rows[0] is added before rows[1] (the summation order stays node order).
+__device__ __forceinline__ void add_unit_pairs(float (&acc)[kSumUnroll][8], const int4* const (&rows)[2],
+                                               int64_t first_unit, int64_t units) {
+  int4 values[2][kSumUnroll];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < kSumUnroll; ++j) {
+      const int64_t u = first_unit + 32 * j;
+      if (rows[r] != nullptr && u < units) values[r][j] = ld_cg_v4(rows[r] + u);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < kSumUnroll; ++j)
+      if (rows[r] != nullptr && first_unit + 32 * j < units) add_bf16x8(acc[j], values[r][j]);
+}
+
+// Row `token` of a [T, hidden] bf16 bias, or nullptr.
+__device__ __forceinline__ const int4* bias_row(const void* bias, int token, int hidden) {
+  if (bias == nullptr) return nullptr;
+  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(bias) + static_cast<int64_t>(token) * hidden * 2);
+}
+
+// Barrier of one receiver warp group (named barrier `group + 1`; 0 is __syncthreads).
+__device__ __forceinline__ void sync_group(int group, int num_warps) {
+  asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
+}
+
+// Receiver warp group `group` (warps [group * W, group * W + W)) of a block: sub-channel `ch`.
+// `ring_base`, `consumed`, `released`: the group's N entries of the block's shared arrays.
+__device__ void receive_channel(const CombineArgs& a, int ch, int group, int num_warps, uint64_t* ring_base,
+                                uint32_t* consumed, uint32_t* released) {
   const Place& place = a.c.place;
   const InternodeLayout& layout = a.layout;
   const int N = place.num_nodes, C = layout.num_channels, S = layout.ring_slots;
-  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int warp = threadIdx.x / 32 - group * num_warps, lane = lane_id();
+  const int thread = warp * 32 + lane, threads = num_warps * 32;
   const CombineSlot& slot = a.slot;
   const int hidden = slot.hidden, K = slot.num_topk;
-  const int group = kWarps < S ? kWarps : S;
-  const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeCombine, place.rank, ch, warp};
+  const int batch = num_warps < S ? num_warps : S;
+  const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeCombine, place.rank, ch,
+                      static_cast<int>(threadIdx.x / 32)};
+  uint64_t* head = a.c.ptr.head + counter_index(kKindCombine, ch, place.node);  // at each forwarder
   int begin, end;
   channel_range(a.num_tokens, C, ch, &begin, &end);
 
-  __syncthreads();  // the block's previous sub-channel has finished with the shared words
-  for (int n = threadIdx.x; n < N; n += kThreads) {
+  for (int n = thread; n < N; n += threads) {
     ring_base[n] = a.c.ptr.recv_base[counter_index(kKindCombine, ch, n)];
     consumed[n] = released[n] = 0;
   }
-  __syncthreads();
+  sync_group(group, num_warps);
 
-  for (int first = begin; first < end; first += group) {
+  for (int first = begin; first < end; first += batch) {
     const int token = first + warp;
-    if (warp < group && token < end) {
+    if (warp < batch && token < end) {
       const int32_t* pos = a.send_pos + static_cast<int64_t>(token) * N;
       // Wait for this token's row from every node it went to.
       if (lane == 0) {
@@ -99,28 +148,36 @@ __device__ void receive_channel(const CombineArgs& a, int ch) {
       }
       // NOTE: lane 0's acquires, then the warp barrier, order the slots' bytes before the ld.cg reads.
       __syncwarp();
-      // Sum in fp32, node by node (fixed order), then the biases; 8 channels per lane and step.
+      // Sum in fp32, node by node (fixed order), then the biases. A lane takes kSumUnroll units of 8
+      // channels per step and issues two nodes' loads of them together (one latency per two nodes).
       const int64_t units = hidden / 8;
-      for (int64_t u = lane; u < units; u += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int n = 0; n < N; ++n) {
-          const int p = pos[n];
-          if (p < 0) continue;
-          const uint8_t* ring_slot =
-              a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
-          add_bf16x8(acc, ld_cg_v4(reinterpret_cast<const int4*>(ring_slot + slot.row_offset()) + u));
+      const int4* biases[2] = {bias_row(a.bias_0, token, hidden), bias_row(a.bias_1, token, hidden)};
+      int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + static_cast<int64_t>(token) * hidden * 2);
+      for (int64_t first_unit = lane; first_unit < units; first_unit += 32 * kSumUnroll) {
+        float acc[kSumUnroll][8] = {};
+        for (int n = 0; n < N;) {
+          const int4* rows[2] = {nullptr, nullptr};  // the next two nodes this token went to, in order
+          for (int found = 0; n < N && found < 2; ++n) {
+            const int p = pos[n];
+            if (p < 0) continue;
+            const uint8_t* ring_slot =
+                a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
+            rows[found++] = reinterpret_cast<const int4*>(ring_slot + slot.row_offset());
+          }
+          add_unit_pairs(acc, rows, first_unit, units);
         }
-        if (a.bias_0 != nullptr)
-          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.bias_0) +
-                                                                 static_cast<int64_t>(token) * hidden * 2) + u));
-        if (a.bias_1 != nullptr)
-          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.bias_1) +
-                                                                 static_cast<int64_t>(token) * hidden * 2) + u));
-        int4 out;
-        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+        for (const int4* bias : biases)
+          if (bias != nullptr) add_units(acc, bias, first_unit, units, true);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + static_cast<int64_t>(token) * hidden * 2)[u] = out;
+        for (int j = 0; j < kSumUnroll; ++j) {
+          const int64_t u = first_unit + 32 * j;
+          if (u >= units) continue;
+          int4 out;
+          __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[j][2 * i], acc[j][2 * i + 1]);
+          out_row[u] = out;
+        }
       }
       if (a.combined_weights != nullptr) {
         for (int k = lane; k < K; k += 32) {
@@ -136,19 +193,19 @@ __device__ void receive_channel(const CombineArgs& a, int ch) {
         }
       }
     }
-    // NOTE: every warp has finished reading its slots (values already stored) before any of them
-    // is returned to its forwarder.
-    __syncthreads();
-    for (int n = threadIdx.x; n < N; n += kThreads) {
+    // NOTE: every warp of the group has finished reading its slots (values already stored) before
+    // any of them is returned to its forwarder.
+    sync_group(group, num_warps);
+    for (int n = thread; n < N; n += threads) {
       if (consumed[n] > released[n]) {
-        release_slots(a.c.ptr.head + counter_index(kKindCombine, ch, place.node), consumed[n] - released[n],
-                      place.pe_of(n));
+        const int pe = place.pe_of(n);
+        release_slots(head, direct_address(a.c, head, pe), consumed[n] - released[n], pe);
         released[n] = consumed[n];
       }
     }
-    __syncthreads();
+    sync_group(group, num_warps);
   }
-  for (int n = threadIdx.x; n < N; n += kThreads)
+  for (int n = thread; n < N; n += threads)
     a.c.ptr.recv_base[counter_index(kKindCombine, ch, n)] = ring_base[n] + a.send_counts[n * C + ch];
 }
 
@@ -159,7 +216,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     for (int pair = threadIdx.x / 32; pair < per_block * N; pair += kWarps)
       send_ring(args, blockIdx.x + pair / N * B, pair % N);
   } else {
-    for (int g = 0; g < per_block; ++g) receive_channel(args, blockIdx.x - B + g * B);
+    // One group of kWarps / per_block warps per sub-channel, all at once (a sub-channel left
+    // waiting would stall its senders once their rings are full).
+    __shared__ uint64_t ring_base[kMaxNodes];
+    __shared__ uint32_t consumed[kMaxNodes];
+    __shared__ uint32_t released[kMaxNodes];
+    const int num_warps = kWarps / per_block, group = static_cast<int>(threadIdx.x / 32) / num_warps;
+    if (group < per_block)
+      receive_channel(args, blockIdx.x - B + group * B, group, num_warps, ring_base + group * N,
+                      consumed + group * N, released + group * N);
   }
 }
 
@@ -174,6 +239,11 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.slot.hidden % 8 == 0, "internode combine: hidden must be a multiple of 8");
   EP_CHECK_ARG(args.num_blocks >= 1 && layout.num_channels % args.num_blocks == 0,
                "internode combine: num_blocks must divide num_channels");
+  const int per_block = layout.num_channels / args.num_blocks;
+  EP_CHECK_ARG(per_block <= kWarps && per_block * layout.num_nodes <= kMaxNodes,
+               "internode combine: " << per_block << " sub-channels per block of " << layout.num_nodes
+                                     << " nodes need more warps or shared slots than a block has");
+  EP_CHECK_ARG(args.send_chunk >= 1, "internode combine: send_chunk must be positive");
   combine_kernel<<<2 * args.num_blocks, kThreads, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -4,9 +4,9 @@
 // Blocks [0, B) send, blocks [B, 2B) receive. Block b of a half serves channels b, b + B, ...
 // (C / B of them: sub-channels, so that with few nodes every warp drives a ring), one warp per
 // (channel, node) ring:
-// - a sender warp walks its channel's tokens in order, stages each token bound for its node (row,
-//   scales, top-k ids and weights) in a send slot and puts it with a signal into the receiver's
-//   ring;
+// - a sender warp walks its channel's tokens in order and writes each token bound for its node
+//   (row, scales, top-k ids and weights) into the next slot of the receiver's ring, announcing
+//   them in chunks (SendRing: direct stores over NVLink, staged puts with signal over the network);
 // - a receiver warp takes its ring's slots in order and writes forwarder row
 //   recv_offsets[src * C + ch] + i.
 //
@@ -22,7 +22,7 @@ namespace {
 __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
   const Place& place = a.c.place;
   const InternodeLayout& layout = a.layout;
-  const int N = place.num_nodes, S = layout.ring_slots;
+  const int N = place.num_nodes;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const DispatchSlot& slot = a.slot;
   int begin, end;
@@ -31,8 +31,12 @@ __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
   const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeDispatch, place.rank, ch, warp};
   const int pe = place.pe_of(dst);
   const int64_t counter = counter_index(kKindDispatch, ch, dst);
-  uint64_t* head = a.c.ptr.head + counter;
+  const uint64_t* head = a.c.ptr.head + counter;
   const uint64_t base = a.c.ptr.sent_base[counter];
+  SendRing ring(a.c, a.c.ptr.area + layout.recv_slot_offset(ch, place.node, 0),
+                a.c.ptr.area + layout.send_slot_offset(ch, dst, 0),
+                a.c.ptr.tail + counter_index(kKindDispatch, ch, place.node), layout.slot_bytes, layout.ring_slots,
+                a.send_chunk, pe, base);
   uint64_t sent = 0;
   for (int first = begin; first < end; first += 32) {
     const int t = first + lane;
@@ -43,32 +47,28 @@ __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
       const int token = first + __ffs(mask) - 1;
       mask &= mask - 1;
       const uint64_t index = base + sent;  // the index-th slot ever sent on this ring
-      const int s = static_cast<int>(index % S);
-      if (lane == 0) {
-        if (a.send_pos != nullptr) a.send_pos[static_cast<int64_t>(token) * N + dst] = static_cast<int32_t>(sent);
-        // The slot is free once the receiver has consumed its previous use (index - S).
-        if (index + 1 > static_cast<uint64_t>(S)) wait_at_least(head, index + 1 - S, site, kWaitFreeSlot, pe);
-      }
-      __syncwarp();
-      uint8_t* staged = a.c.ptr.area + layout.send_slot_offset(ch, dst, s);
-      if (lane == 0) reinterpret_cast<SlotMeta*>(staged)->src_token = token;
-      warp_copy_bytes<Load::kReadOnly>(staged + slot.row_offset(),
+      if (lane == 0 && a.send_pos != nullptr)
+        a.send_pos[static_cast<int64_t>(token) * N + dst] = static_cast<int32_t>(sent);
+      ring.wait_free(index, head, used_bytes, site);
+      uint8_t* out = ring.slot(index);
+      if (lane == 0) reinterpret_cast<SlotMeta*>(out)->src_token = token;
+      warp_copy_bytes<Load::kReadOnly>(out + slot.row_offset(),
                       static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * slot.row_bytes, slot.row_bytes);
       if (a.x_scales != nullptr)
-        warp_copy_words<true>(staged + slot.scales_offset(), a.x_scales + static_cast<int64_t>(token) * slot.num_scales,
+        warp_copy_words<true>(out + slot.scales_offset(), a.x_scales + static_cast<int64_t>(token) * slot.num_scales,
                               4LL * slot.num_scales);
       if (slot.num_topk > 0) {
-        warp_copy_words<true>(staged + slot.topk_offset(), a.topk_idx + static_cast<int64_t>(token) * slot.num_topk,
+        warp_copy_words<true>(out + slot.topk_offset(), a.topk_idx + static_cast<int64_t>(token) * slot.num_topk,
                               8LL * slot.num_topk);
         if (slot.has_weights)
-          warp_copy_words<true>(staged + slot.weights_offset(),
+          warp_copy_words<true>(out + slot.weights_offset(),
                                 a.topk_weights + static_cast<int64_t>(token) * slot.num_topk, 4LL * slot.num_topk);
       }
-      put_slot(a.c.ptr.area + layout.recv_slot_offset(ch, place.node, s), staged, used_bytes,
-               a.c.ptr.tail + counter_index(kKindDispatch, ch, place.node), pe);
+      ring.filled(used_bytes);
       ++sent;
     }
   }
+  ring.announce(used_bytes);
   // Only this warp moves this ring's sender total; the next call on the stream reads it.
   if (lane == 0) a.c.ptr.sent_base[counter] = base + sent;
 }
@@ -85,6 +85,8 @@ __device__ void receive_ring(const DispatchArgs& a, int ch, int src) {
   const int pe = place.pe_of(src);
   const int64_t counter = counter_index(kKindDispatch, ch, src);
   const uint64_t* tail = a.c.ptr.tail + counter;
+  uint64_t* head = a.c.ptr.head + counter_index(kKindDispatch, ch, place.node);  // at the sender
+  uint64_t* direct_head = direct_address(a.c, head, pe);
   const uint64_t base = a.c.ptr.recv_base[counter];
   const int first_row = a.recv_offsets[src * C + ch];
   const int count = a.recv_offsets[src * C + ch + 1] - first_row;
@@ -114,8 +116,7 @@ __device__ void receive_ring(const DispatchArgs& a, int ch, int src) {
     }
     __syncwarp();
     if (i + 1 - released >= release_batch || i + 1 == count) {
-      if (lane == 0) release_slots(a.c.ptr.head + counter_index(kKindDispatch, ch, place.node),
-                                   static_cast<uint64_t>(i + 1 - released), pe);
+      if (lane == 0) release_slots(head, direct_head, static_cast<uint64_t>(i + 1 - released), pe);
       released = i + 1;
     }
   }
@@ -162,6 +163,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.slot.row_bytes % 16 == 0, "internode dispatch: rows must be a multiple of 16 bytes");
   EP_CHECK_ARG(args.num_blocks >= 1 && layout.num_channels % args.num_blocks == 0,
                "internode dispatch: num_blocks must divide num_channels");
+  EP_CHECK_ARG(args.send_chunk >= 1, "internode dispatch: send_chunk must be positive");
   dispatch_kernel<<<2 * args.num_blocks, kThreads, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }

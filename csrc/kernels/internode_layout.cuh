@@ -26,6 +26,14 @@
 //                         call moves exactly the counts the notify step exchanged).
 //   The a-th slot ever sent on a ring (a = base + k) lives at index a % S; the sender waits for
 //   head >= a + 1 - S before reusing it, the receiver for tail >= a + 1 before reading it.
+//   A sender announces its slots in chunks (send_chunk, and never across the ring's end):
+//   - peer reached by nvshmem_ptr (NVLink, or this GPU): rows are stored straight into the
+//     receiver's slots, then one release add of the chunk's count to its tail;
+//   - any other peer (the network): rows are staged in the send slots, then one put with signal
+//     carries the chunk's consecutive slots and adds its count.
+//   Before a wait for a free slot the sender announces what it holds, so no chunk size can
+//   deadlock. `Common::puts_only` forces the network path even where nvshmem_ptr reaches the
+//   peer (EP_PLUGIN_NETWORK_PUTS=1: runs the RDMA code path on an NVLink-only machine).
 //
 // Notify (per non-cached dispatch): every rank puts its per-(destination node, channel) token
 // counts to each column peer (parity-double-buffered slots, a signal word per source that only
@@ -42,7 +50,7 @@
 namespace ep_plugin::internode {
 
 constexpr int kMaxNodes = 256;          // column peers (nodes) of one group
-constexpr int kMaxChannels = 64;        // = ep_plugin.tuning.MAX_CHANNELS
+constexpr int kMaxChannels = 128;       // = ep_plugin.tuning.INTERNODE_MAX_CHANNELS (sub-channels: up to 2 per SM)
 constexpr int kMaxTopk = 32;            // = ep_plugin.tuning.MAX_TOPK
 constexpr int kThreads = 512;           // threads of every internode kernel block
 constexpr int kWarps = kThreads / 32;
@@ -51,7 +59,7 @@ constexpr int kSlotMetaBytes = 16;      // SlotMeta at the start of every slot
 // top-k, and 16 bytes of alignment slack (FP8 rows carry their scales in the row budget).
 constexpr int64_t kSlotExtraBytes = kSlotMetaBytes + 8 * kMaxTopk + 4 * kMaxTopk + 16;
 constexpr int64_t kAreaAlign = 128;
-constexpr int kNotifySlotBytes = 512;   // one notify message: NotifyMessage, padded
+constexpr int kNotifySlotBytes = 1024;  // one notify message: NotifyMessage, padded
 constexpr int kNumKinds = 2;
 
 enum Kind : int { kKindDispatch = 0, kKindCombine = 1 };
@@ -209,6 +217,7 @@ struct Common {
   DeviceStatus* status;             // (runtime)
   int* error_claim;                 // (runtime)
   uint64_t timeout_ns;              // (runtime)
+  bool puts_only;                   // (runtime) never store straight into a peer's buffer
 };
 
 struct NotifyArgs {
@@ -228,6 +237,7 @@ struct DispatchArgs {
   Common c;
   InternodeLayout layout;
   int num_blocks;                   // B blocks send and B receive; block b serves channels b, b + B, ... (C % B == 0)
+  int send_chunk;                   // slots a sender announces at once (>= 1)
   DispatchSlot slot;                // num_topk = 0 for a cached dispatch
   int num_tokens;
   const void* x;                    // [T, row_bytes]
@@ -251,6 +261,7 @@ struct CombineArgs {
   Common c;
   InternodeLayout layout;
   int num_blocks;                   // as in DispatchArgs
+  int send_chunk;                   // as in DispatchArgs
   CombineSlot slot;                 // num_topk = 0 without weights
   // Forwarder side: one partial row per forwarder row (the intranode combine's output).
   int capacity;                     // rows of partial_x
@@ -303,25 +314,108 @@ __device__ __forceinline__ void warp_copy_words(void* dst, const void* src, int6
   for (int64_t i = lane_id(); i < bytes / 4; i += 32) d[i] = kReadOnlySource ? __ldg(s + i) : ld_cg_s32(s + i);
 }
 
-// Sends `bytes` from the local symmetric `src` to the symmetric `dst` on `pe`, then adds 1 to
-// `signal` there (delivered after the bytes: NVSHMEM's put-with-signal). Warp-collective.
+// `symmetric` (an address in this PE's buffer) as stored to on `pe`, or nullptr where the network
+// (or Common::puts_only) stands between them.
+template <typename T>
+__device__ __forceinline__ T* direct_address(const Common& c, T* symmetric, int pe) {
+  return c.puts_only ? nullptr : static_cast<T*>(nvshmem_ptr(symmetric, pe));
+}
+
+// Sends `bytes` from the local symmetric `src` to the symmetric `dst` on `pe`, then adds `count`
+// to `signal` there (delivered after the bytes: NVSHMEM's put-with-signal). Warp-collective.
 // NOTE: the transport reads `src` from memory: every lane's stores to it are made visible at
 // system scope, and the warp is converged, before the put is issued.
-__device__ __forceinline__ void put_slot(void* dst, const void* src, int64_t bytes, uint64_t* signal, int pe) {
+__device__ __forceinline__ void put_slots(void* dst, const void* src, int64_t bytes, uint64_t* signal, uint64_t count,
+                                          int pe) {
   __threadfence_system();
   __syncwarp();
-  nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), signal, 1, NVSHMEM_SIGNAL_ADD, pe);
+  nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), signal, count, NVSHMEM_SIGNAL_ADD, pe);
   __syncwarp();
 }
 
-// Returns `count` consumed slots to the sender `pe` (adds to its head word). One thread.
+// Returns `count` consumed slots to the sender `pe` (adds to its head word `head`, symmetric;
+// `direct_head` is the same word through nvshmem_ptr, or nullptr). One thread.
 // NOTE: called after the warp has finished reading those slots (the loaded values were already
 // stored elsewhere, so the loads are complete): the sender may overwrite them once it sees this.
-// Additions commute, so several releases in flight can land in any order.
-__device__ __forceinline__ void release_slots(uint64_t* head, uint64_t count, int pe) {
-  __threadfence_system();
-  nvshmemx_signal_op(head, count, NVSHMEM_SIGNAL_ADD, pe);
+// Additions commute, so several releases in flight can land in any order. Each head word has a
+// single writer, which always takes the same path (a NIC's atomics and the GPU's are not atomic
+// with each other on one word).
+__device__ __forceinline__ void release_slots(uint64_t* head, uint64_t* direct_head, uint64_t count, int pe) {
+  if (direct_head != nullptr) {
+    red_add_release_sys(direct_head, count);
+  } else {
+    __threadfence_system();
+    nvshmemx_signal_op(head, count, NVSHMEM_SIGNAL_ADD, pe);
+  }
 }
+
+// The sending side of one ring (channel, destination node), held by one warp (every lane keeps
+// the same copy). Slots are filled through `slot()` and announced by `announce()` in chunks.
+class SendRing {
+ public:
+  // `recv_ring` / `send_ring`: slot 0 of the ring in the receiver's recv rings and in this PE's
+  // send staging (both symmetric addresses); `tail`: the receiver's tail word (symmetric).
+  __device__ SendRing(const Common& c, uint8_t* recv_ring, uint8_t* send_ring, uint64_t* tail, int64_t slot_bytes,
+                      int slots, int chunk, int pe, uint64_t first_index)
+      : recv_ring_(recv_ring), staging_(send_ring), direct_ring_(direct_address(c, recv_ring, pe)),
+        tail_(tail), direct_tail_(direct_address(c, tail, pe)), slot_bytes_(slot_bytes), slots_(slots),
+        chunk_(chunk < slots ? chunk : slots), pe_(pe), pending_first_(first_index), pending_(0) {}
+
+  // Where the index-th slot ever sent on this ring is written: the receiver's slot itself
+  // (direct), or its staging copy.
+  __device__ uint8_t* slot(uint64_t index) const {
+    const int64_t offset = static_cast<int64_t>(index % slots_) * slot_bytes_;
+    return (direct_ring_ != nullptr ? direct_ring_ : staging_) + offset;
+  }
+
+  // The slot just written (the next index) is complete; announces the chunk when it is full or
+  // reaches the ring's end. Warp-collective. `used_bytes`: bytes of a slot that carry data.
+  __device__ void filled(int64_t used_bytes) {
+    ++pending_;
+    if (pending_ == chunk_ || (pending_first_ + pending_) % slots_ == 0) announce(used_bytes);
+  }
+
+  // Announces every filled slot not announced yet. Warp-collective.
+  // NOTE (direct): the warp barrier orders every lane's stores into the slots before lane 0's
+  // release add, which makes them visible at system scope before the tail moves.
+  __device__ void announce(int64_t used_bytes) {
+    if (pending_ == 0) return;
+    if (direct_ring_ != nullptr) {
+      __syncwarp();
+      if (lane_id() == 0) red_add_release_sys(direct_tail_, static_cast<uint64_t>(pending_));
+      __syncwarp();
+    } else {
+      const int64_t offset = static_cast<int64_t>(pending_first_ % slots_) * slot_bytes_;
+      put_slots(recv_ring_ + offset, staging_ + offset, (pending_ - 1) * slot_bytes_ + used_bytes, tail_,
+                static_cast<uint64_t>(pending_), pe_);
+    }
+    pending_first_ += pending_;
+    pending_ = 0;
+  }
+
+  // Waits (lane 0) until the receiver has consumed the previous use of slot `index`, announcing the
+  // held slots first when the slot is not free yet. Warp-collective.
+  __device__ void wait_free(uint64_t index, const uint64_t* head, int64_t used_bytes, const WaitSite& site) {
+    if (index + 1 <= static_cast<uint64_t>(slots_)) return;
+    const uint64_t needed = index + 1 - slots_;
+    const bool free = shfl(lane_id() == 0 && ld_acquire_sys(head) >= needed ? 1 : 0, 0) != 0;
+    if (free) return;
+    announce(used_bytes);
+    if (lane_id() == 0) wait_at_least(head, needed, site, kWaitFreeSlot, pe_);
+    __syncwarp();
+  }
+
+ private:
+  uint8_t* recv_ring_;
+  uint8_t* staging_;
+  uint8_t* direct_ring_;
+  uint64_t* tail_;
+  uint64_t* direct_tail_;
+  int64_t slot_bytes_;
+  int slots_, chunk_, pe_;
+  uint64_t pending_first_;
+  int pending_;
+};
 
 }  // namespace ep_plugin::internode
 #endif  // __CUDACC__

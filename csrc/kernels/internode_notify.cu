@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kThreads, 1) notify_kernel(const __grid_consta
   // PE has received (it completed the previous notify step).
   for (int dst = warp; dst < N; dst += kWarps) {
     const int pe = place.pe_of(dst);
-    put_slot(message_at(a.c.ptr.notify_recv, parity, place.node), message_at(a.c.ptr.notify_send, parity, dst),
-             sizeof(NotifyMessage), a.c.ptr.notify_signal + place.node, pe);
+    put_slots(message_at(a.c.ptr.notify_recv, parity, place.node), message_at(a.c.ptr.notify_send, parity, dst),
+              sizeof(NotifyMessage), a.c.ptr.notify_signal + place.node, 1, pe);
   }
 
   // 3. Wait for the message of every source (its signal word counts its notify steps).

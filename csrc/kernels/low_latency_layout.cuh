@@ -247,14 +247,6 @@ int combine_blocks_per_sm();
 
 namespace ep_plugin::low_latency {
 
-__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t value) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* ptr, uint64_t value) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
-
 __device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }

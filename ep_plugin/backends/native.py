@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
+from ..tuning import INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
 from .base import Backend, GroupInfo
 
 try:
@@ -174,7 +174,7 @@ class InternodeHandle:
     send_counts: torch.Tensor        # [N * C] int32
     recv_offsets: torch.Tensor       # [N * C + 1] int32
     num_forward_rows: int            # forwarder rows (received over the network, or the graph capacity)
-    node: "NativeHandle"             # the intranode stage
+    node: Optional["NativeHandle"]   # the intranode stage; None with one rank per node (no stage)
     perm: Optional[torch.Tensor]     # [rows] int64, or None (one rank per node)
     inv_perm: Optional[torch.Tensor]
 
@@ -187,11 +187,11 @@ def network_geometry(num_blocks: int, ring_slots: int, num_nodes: int) -> Tuple[
     """(channels, slots per ring) of the network leg on `num_blocks` sender (and receiver) blocks.
 
     Each ring (channel, node) has one warp on each side, so with few nodes most warps of a block
-    would idle: a block serves G channels (sub-channels), G = min(warps / nodes, MAX_CHANNELS /
-    blocks, ring_slots), and the config's `ring_slots` are split among them, so the rings take no
-    more memory than `num_blocks` channels of `ring_slots` would.
+    would idle: a block serves G channels (sub-channels), G = min(warps / nodes,
+    INTERNODE_MAX_CHANNELS / blocks, ring_slots), and the config's `ring_slots` are split among
+    them, so the rings take no more memory than `num_blocks` channels of `ring_slots` would.
     """
-    group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, MAX_CHANNELS // num_blocks, ring_slots))
+    group = max(1, min(NET_WARPS_PER_BLOCK // num_nodes, INTERNODE_MAX_CHANNELS // num_blocks, ring_slots))
     return num_blocks * group, split_ring_slots(ring_slots, group)
 
 
@@ -568,7 +568,8 @@ class NativeBackend(Backend):
         send_pos = self._empty(T, N, dtype=torch.int32)
         slot_bytes = _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, K, has_weights)
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=True)
-        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S,
+                     send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, num_tokens=T,
                      row_bytes=row_bytes, num_scales=num_scales, num_topk=K, has_weights=has_weights, x=_address(x),
                      x_scales=_address(x_scales), topk_idx=_address(topk_idx), topk_weights=_address(topk_weights),
                      is_token_in_node=_address(is_token_in_node), send_pos=_address(send_pos),
@@ -578,6 +579,15 @@ class NativeBackend(Backend):
 
         # Intranode stage: the forwarder rows are this rank's "tokens" inside the node.
         node_topk = self._node_relative_ids(fwd_topk, num_local_experts)
+        if L == 1:
+            recv_topk_weights, per_expert = self._lone_rank_outputs(node_topk, fwd_weights, num_local_experts,
+                                                                    expert_alignment, graph)
+            handle = InternodeHandle(owner=self, num_tokens=T, num_recv_rows=F, num_worst_tokens=num_worst_tokens,
+                                     num_channels=C, num_blocks=B, dispatch_slot_bytes=slot_bytes,
+                                     is_token_in_node=is_token_in_node, send_pos=send_pos, send_counts=send_counts,
+                                     recv_offsets=recv_offsets, num_forward_rows=F, node=None, perm=None,
+                                     inv_perm=None)
+            return fwd_x, fwd_scales, node_topk, recv_topk_weights, per_expert, handle
         node_experts = L * num_local_experts
         node_per_rank = self._empty(L, dtype=torch.int32)
         node_per_expert = self._empty(node_experts, dtype=torch.int32)
@@ -604,6 +614,21 @@ class NativeBackend(Backend):
                                  send_pos=send_pos, send_counts=send_counts, recv_offsets=recv_offsets,
                                  num_forward_rows=F, node=node, perm=perm, inv_perm=inv_perm)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
+
+    def _lone_rank_outputs(self, local_topk: torch.Tensor, weights: Optional[torch.Tensor], num_local_experts: int,
+                           expert_alignment: int, graph: bool):
+        """One rank per node: the forwarder rows already are this rank's received rows, in the
+        reference order, so the intranode stage (which would copy them unchanged) is skipped. What it
+        would add: weights of other ranks' experts (and of padding rows) become 0, and the aligned
+        per-expert counts (host mode only, as there)."""
+        recv_weights = None if weights is None else torch.where(local_topk >= 0, weights, torch.zeros_like(weights))
+        if graph:
+            return recv_weights, []
+        # Ids of other ranks' experts count into an extra bucket; one host sync (the list), as DeepEP's.
+        ids = torch.where(local_topk >= 0, local_topk, num_local_experts).flatten()
+        buckets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=ids.device)
+        counts = buckets.scatter_add_(0, ids, torch.ones_like(ids))[:num_local_experts].tolist()
+        return recv_weights, [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
 
     def _source_order(self, recv_offsets: torch.Tensor, F: int, C: int, node: "NativeHandle", config: Config):
         """Permutation that puts the intranode stage's rows (by forwarder, then source node, then token)
@@ -638,7 +663,8 @@ class NativeBackend(Backend):
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=False)
         fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
         fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
-        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, num_tokens=T,
+        net.dispatch(num_channels=C, num_blocks=B, ring_slots=S,
+                     send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, num_tokens=T,
                      row_bytes=row_bytes, num_scales=num_scales, num_topk=0, has_weights=False, x=_address(x),
                      x_scales=_address(x_scales),
                      topk_idx=0, topk_weights=0, is_token_in_node=_address(handle.is_token_in_node), send_pos=0,
@@ -646,6 +672,8 @@ class NativeBackend(Backend):
                      recv_x_scales=_address(fwd_scales), recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0,
                      stream=self._stream())
         node = handle.node
+        if node is None:  # one rank per node: the forwarder rows are the received rows
+            return fwd_x, fwd_scales
         rows = node.num_recv_rows
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
         recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
@@ -665,7 +693,31 @@ class NativeBackend(Backend):
             x = _take(x, handle.inv_perm)
             topk_weights = _take(topk_weights, handle.inv_perm)
         node = handle.node
-        # Intranode stage: one partial row per forwarder row, reduced over the node's ranks.
+        if node is None:  # one rank per node: the rows are the forwarder rows' partial sums already
+            partial_x = x.contiguous()
+            partial_weights = None if topk_weights is None else topk_weights.float().contiguous()
+        else:
+            partial_x, partial_weights = self._node_combine(x, topk_weights, node, F, config)
+        # Network leg: one row per (token, node) back to the source, summed there with the biases.
+        slot_bytes = _C_nvshmem.internode_combine_slot_bytes(H, K)
+        self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
+        combined_x = self._empty(T, H, dtype=torch.bfloat16)
+        combined_weights = None if topk_weights is None else self._empty(T, K, dtype=torch.float32)
+        net.combine(num_channels=C, num_blocks=B, ring_slots=S,
+                    send_chunk=config.num_max_rdma_chunked_send_tokens, slot_bytes=slot_bytes, hidden=H, num_topk=K,
+                    capacity=F,
+                    partial_x=_address(partial_x), partial_weights=_address(partial_weights),
+                    recv_offsets=_address(handle.recv_offsets), num_tokens=T,
+                    is_token_in_node=_address(handle.is_token_in_node), send_pos=_address(handle.send_pos),
+                    send_counts=_address(handle.send_counts), bias_0=_address(bias_0), bias_1=_address(bias_1),
+                    combined_x=_address(combined_x), combined_weights=_address(combined_weights),
+                    stream=self._stream())
+        return combined_x, combined_weights
+
+    def _node_combine(self, x, topk_weights, node: NativeHandle, F: int, config: Config):
+        """Intranode stage of combine: one partial row per forwarder row, reduced over the node's ranks."""
+        H = x.size(1)
+        K = 0 if topk_weights is None else topk_weights.size(1)
         partial_x = self._empty(F, H, dtype=torch.bfloat16)
         partial_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
         self._intranode().combine(
@@ -675,20 +727,7 @@ class NativeBackend(Backend):
             recv_rank_offsets=_address(node.recv_rank_offsets), src_num_tokens=_address(node.src_num_tokens),
             send_pos=_address(node.send_pos), bias_0=0, bias_1=0, combined_x=_address(partial_x),
             combined_topk_weights=_address(partial_weights), stream=self._stream())
-        # Network leg: one row per (token, node) back to the source, summed there with the biases.
-        slot_bytes = _C_nvshmem.internode_combine_slot_bytes(H, K)
-        self._prepare_rings(_NET_COMBINE, (C, S, slot_bytes), after_notify=False)
-        combined_x = self._empty(T, H, dtype=torch.bfloat16)
-        combined_weights = None if topk_weights is None else self._empty(T, K, dtype=torch.float32)
-        net.combine(num_channels=C, num_blocks=B, ring_slots=S, slot_bytes=slot_bytes, hidden=H, num_topk=K,
-                    capacity=F,
-                    partial_x=_address(partial_x), partial_weights=_address(partial_weights),
-                    recv_offsets=_address(handle.recv_offsets), num_tokens=T,
-                    is_token_in_node=_address(handle.is_token_in_node), send_pos=_address(handle.send_pos),
-                    send_counts=_address(handle.send_counts), bias_0=_address(bias_0), bias_1=_address(bias_1),
-                    combined_x=_address(combined_x), combined_weights=_address(combined_weights),
-                    stream=self._stream())
-        return combined_x, combined_weights
+        return partial_x, partial_weights
 
     def handle_num_recv_rows(self, handle: NativeHandle) -> int:
         return handle.num_recv_rows
