@@ -29,19 +29,12 @@ __device__ void send_ring(const CombineArgs& a, int ch, int src) {
   const CombineSlot& slot = a.slot;
   const int64_t row_bytes = 2LL * slot.hidden;
   const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeCombine, place.rank, ch, warp};
-  const int pe = place.pe_of(src);
-  const int64_t counter = counter_index(kKindCombine, ch, src);
-  const uint64_t* head = a.c.ptr.head + counter;
-  const uint64_t base = a.c.ptr.sent_base[counter];
   const int first_row = a.recv_offsets[src * C + ch];
   const int count = a.recv_offsets[src * C + ch + 1] - first_row;
-  SendRing ring(a.c, a.c.ptr.area + layout.recv_slot_offset(ch, place.node, 0),
-                a.c.ptr.area + layout.send_slot_offset(ch, src, 0),
-                a.c.ptr.tail + counter_index(kKindCombine, ch, place.node), layout.slot_bytes, layout.ring_slots,
-                a.send_chunk, pe, base);
+  SendRing ring(a.c, layout, kKindCombine, ch, src, a.send_chunk, slot.bytes());
   for (int i = 0; i < count; ++i) {
-    const uint64_t index = base + i;
-    ring.wait_free(index, head, slot.bytes(), site);
+    const uint64_t index = ring.base() + i;
+    ring.wait_free(index, site);
     uint8_t* out = ring.slot(index);
     const int64_t row = static_cast<int64_t>(first_row) + i;
     if (lane == 0) reinterpret_cast<SlotMeta*>(out)->src_token = static_cast<int32_t>(row);
@@ -55,43 +48,29 @@ __device__ void send_ring(const CombineArgs& a, int ch, int src) {
       int4* zero = reinterpret_cast<int4*>(out + slot.row_offset());
       for (int64_t u = lane; u < (slot.bytes() - slot.row_offset()) / 16; u += 32) zero[u] = make_int4(0, 0, 0, 0);
     }
-    ring.filled(slot.bytes());
+    ring.filled();
   }
-  ring.announce(slot.bytes());
-  if (lane == 0) a.c.ptr.sent_base[counter] = base + count;
+  ring.close(count);
 }
 
 constexpr int kSumUnroll = 4;  // units of 8 bf16 channels a lane sums per step
 
-// Adds units first_unit + 32 j (j < kSumUnroll, below `units`) of `row` (bf16) into acc[j]; all loads
-// are issued before the first add. `read_only`: user input (non-coherent loads), else ring slots.
-__device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][8], const int4* row, int64_t first_unit,
-                                          int64_t units, bool read_only) {
-  int4 values[kSumUnroll];
+// Adds units first_unit + 32 j (j < kSumUnroll, below `units`) of each non-null row (bf16) into
+// acc[j]. Every load of every row is issued before the first add; rows are added in order (the
+// summation order stays node order, then bias order).
+template <Load kLoad, int kRows>
+__device__ __forceinline__ void add_rows(float (&acc)[kSumUnroll][8], const int4* const (&rows)[kRows],
+                                         int64_t first_unit, int64_t units) {
+  int4 values[kRows][kSumUnroll];
 #pragma unroll
-  for (int j = 0; j < kSumUnroll; ++j) {
-    const int64_t u = first_unit + 32 * j;
-    if (u < units) values[j] = read_only ? ld_nc_v4(row + u) : ld_cg_v4(row + u);
-  }
-#pragma unroll
-  for (int j = 0; j < kSumUnroll; ++j)
-    if (first_unit + 32 * j < units) add_bf16x8(acc[j], values[j]);
-}
-
-// The same for two ring rows (ld.cg; either may be nullptr): every load of both is issued before
-// the first add, and rows[0] is added before rows[1] (the summation order stays node order).
-__device__ __forceinline__ void add_unit_pairs(float (&acc)[kSumUnroll][8], const int4* const (&rows)[2],
-                                               int64_t first_unit, int64_t units) {
-  int4 values[2][kSumUnroll];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int j = 0; j < kSumUnroll; ++j) {
       const int64_t u = first_unit + 32 * j;
-      if (rows[r] != nullptr && u < units) values[r][j] = ld_cg_v4(rows[r] + u);
+      if (rows[r] != nullptr && u < units) values[r][j] = load_unit<kLoad>(rows[r] + u);
     }
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int j = 0; j < kSumUnroll; ++j)
       if (rows[r] != nullptr && first_unit + 32 * j < units) add_bf16x8(acc[j], values[r][j]);
@@ -164,10 +143,9 @@ __device__ void receive_channel(const CombineArgs& a, int ch, int group, int num
                 a.c.ptr.area + layout.recv_slot_offset(ch, n, static_cast<int>((ring_base[n] + p) % S));
             rows[found++] = reinterpret_cast<const int4*>(ring_slot + slot.row_offset());
           }
-          add_unit_pairs(acc, rows, first_unit, units);
+          add_rows<Load::kL2Only>(acc, rows, first_unit, units);
         }
-        for (const int4* bias : biases)
-          if (bias != nullptr) add_units(acc, bias, first_unit, units, true);
+        add_rows<Load::kReadOnly>(acc, biases, first_unit, units);
 #pragma unroll
         for (int j = 0; j < kSumUnroll; ++j) {
           const int64_t u = first_unit + 32 * j;

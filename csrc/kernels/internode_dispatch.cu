@@ -29,14 +29,7 @@ __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
   channel_range(a.num_tokens, layout.num_channels, ch, &begin, &end);
   const int64_t used_bytes = slot.num_topk > 0 ? slot.bytes() : slot.topk_offset();
   const WaitSite site{a.c.status, a.c.error_claim, a.c.timeout_ns, kOpInternodeDispatch, place.rank, ch, warp};
-  const int pe = place.pe_of(dst);
-  const int64_t counter = counter_index(kKindDispatch, ch, dst);
-  const uint64_t* head = a.c.ptr.head + counter;
-  const uint64_t base = a.c.ptr.sent_base[counter];
-  SendRing ring(a.c, a.c.ptr.area + layout.recv_slot_offset(ch, place.node, 0),
-                a.c.ptr.area + layout.send_slot_offset(ch, dst, 0),
-                a.c.ptr.tail + counter_index(kKindDispatch, ch, place.node), layout.slot_bytes, layout.ring_slots,
-                a.send_chunk, pe, base);
+  SendRing ring(a.c, layout, kKindDispatch, ch, dst, a.send_chunk, used_bytes);
   uint64_t sent = 0;
   for (int first = begin; first < end; first += 32) {
     const int t = first + lane;
@@ -46,10 +39,10 @@ __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
     while (mask != 0) {
       const int token = first + __ffs(mask) - 1;
       mask &= mask - 1;
-      const uint64_t index = base + sent;  // the index-th slot ever sent on this ring
+      const uint64_t index = ring.base() + sent;  // the index-th slot ever sent on this ring
       if (lane == 0 && a.send_pos != nullptr)
         a.send_pos[static_cast<int64_t>(token) * N + dst] = static_cast<int32_t>(sent);
-      ring.wait_free(index, head, used_bytes, site);
+      ring.wait_free(index, site);
       uint8_t* out = ring.slot(index);
       if (lane == 0) reinterpret_cast<SlotMeta*>(out)->src_token = token;
       warp_copy_bytes<Load::kReadOnly>(out + slot.row_offset(),
@@ -64,13 +57,11 @@ __device__ void send_ring(const DispatchArgs& a, int ch, int dst) {
           warp_copy_words<true>(out + slot.weights_offset(),
                                 a.topk_weights + static_cast<int64_t>(token) * slot.num_topk, 4LL * slot.num_topk);
       }
-      ring.filled(used_bytes);
+      ring.filled();
       ++sent;
     }
   }
-  ring.announce(used_bytes);
-  // Only this warp moves this ring's sender total; the next call on the stream reads it.
-  if (lane == 0) a.c.ptr.sent_base[counter] = base + sent;
+  ring.close(sent);
 }
 
 // Receiver warp of ring (ch, src).

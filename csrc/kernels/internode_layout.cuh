@@ -349,17 +349,27 @@ __device__ __forceinline__ void release_slots(uint64_t* head, uint64_t* direct_h
   }
 }
 
-// The sending side of one ring (channel, destination node), held by one warp (every lane keeps
-// the same copy). Slots are filled through `slot()` and announced by `announce()` in chunks.
+// The sending side of ring (kind, channel, destination node), held by one warp (every lane keeps
+// the same copy): its slots, counters and announcements. The a-th slot ever sent on the ring is
+// slot(a); after writing it, the warp calls filled(); close() announces the rest.
 class SendRing {
  public:
-  // `recv_ring` / `send_ring`: slot 0 of the ring in the receiver's recv rings and in this PE's
-  // send staging (both symmetric addresses); `tail`: the receiver's tail word (symmetric).
-  __device__ SendRing(const Common& c, uint8_t* recv_ring, uint8_t* send_ring, uint64_t* tail, int64_t slot_bytes,
-                      int slots, int chunk, int pe, uint64_t first_index)
-      : recv_ring_(recv_ring), staging_(send_ring), direct_ring_(direct_address(c, recv_ring, pe)),
-        tail_(tail), direct_tail_(direct_address(c, tail, pe)), slot_bytes_(slot_bytes), slots_(slots),
-        chunk_(chunk < slots ? chunk : slots), pe_(pe), pending_first_(first_index), pending_(0) {}
+  // `used_bytes`: bytes of each slot that carry data in this call.
+  __device__ SendRing(const Common& c, const InternodeLayout& layout, int kind, int ch, int node, int chunk,
+                      int64_t used_bytes)
+      : pe_(c.place.pe_of(node)),
+        recv_ring_(c.ptr.area + layout.recv_slot_offset(ch, c.place.node, 0)),
+        staging_(c.ptr.area + layout.send_slot_offset(ch, node, 0)),
+        direct_ring_(direct_address(c, recv_ring_, pe_)),
+        tail_(c.ptr.tail + counter_index(kind, ch, c.place.node)),
+        direct_tail_(direct_address(c, tail_, pe_)),
+        head_(c.ptr.head + counter_index(kind, ch, node)),
+        sent_base_(c.ptr.sent_base + counter_index(kind, ch, node)),
+        base_(*sent_base_), slot_bytes_(layout.slot_bytes), used_bytes_(used_bytes), slots_(layout.ring_slots),
+        chunk_(chunk < layout.ring_slots ? chunk : layout.ring_slots), pending_first_(base_), pending_(0) {}
+
+  // Index of this call's first slot: slots before it were sent by earlier calls.
+  __device__ uint64_t base() const { return base_; }
 
   // Where the index-th slot ever sent on this ring is written: the receiver's slot itself
   // (direct), or its staging copy.
@@ -368,17 +378,37 @@ class SendRing {
     return (direct_ring_ != nullptr ? direct_ring_ : staging_) + offset;
   }
 
-  // The slot just written (the next index) is complete; announces the chunk when it is full or
-  // reaches the ring's end. Warp-collective. `used_bytes`: bytes of a slot that carry data.
-  __device__ void filled(int64_t used_bytes) {
-    ++pending_;
-    if (pending_ == chunk_ || (pending_first_ + pending_) % slots_ == 0) announce(used_bytes);
+  // Waits (lane 0) until the receiver has consumed the previous use of slot `index`, announcing the
+  // held slots first when the slot is not free yet. Warp-collective.
+  __device__ void wait_free(uint64_t index, const WaitSite& site) {
+    if (index + 1 <= static_cast<uint64_t>(slots_)) return;
+    const uint64_t needed = index + 1 - slots_;
+    const bool free = shfl(lane_id() == 0 && ld_acquire_sys(head_) >= needed ? 1 : 0, 0) != 0;
+    if (free) return;
+    announce();
+    if (lane_id() == 0) wait_at_least(head_, needed, site, kWaitFreeSlot, pe_);
+    __syncwarp();
   }
 
+  // The slot just written (the next index) is complete; announces the chunk when it is full or
+  // reaches the ring's end. Warp-collective.
+  __device__ void filled() {
+    ++pending_;
+    if (pending_ == chunk_ || (pending_first_ + pending_) % slots_ == 0) announce();
+  }
+
+  // Announces what is held and records this call's `count` slots in the sender's total (the next
+  // call on the stream reads it). Warp-collective.
+  __device__ void close(uint64_t count) {
+    announce();
+    if (lane_id() == 0) *sent_base_ = base_ + count;
+  }
+
+ private:
   // Announces every filled slot not announced yet. Warp-collective.
   // NOTE (direct): the warp barrier orders every lane's stores into the slots before lane 0's
   // release add, which makes them visible at system scope before the tail moves.
-  __device__ void announce(int64_t used_bytes) {
+  __device__ void announce() {
     if (pending_ == 0) return;
     if (direct_ring_ != nullptr) {
       __syncwarp();
@@ -386,33 +416,24 @@ class SendRing {
       __syncwarp();
     } else {
       const int64_t offset = static_cast<int64_t>(pending_first_ % slots_) * slot_bytes_;
-      put_slots(recv_ring_ + offset, staging_ + offset, (pending_ - 1) * slot_bytes_ + used_bytes, tail_,
+      put_slots(recv_ring_ + offset, staging_ + offset, (pending_ - 1) * slot_bytes_ + used_bytes_, tail_,
                 static_cast<uint64_t>(pending_), pe_);
     }
     pending_first_ += pending_;
     pending_ = 0;
   }
 
-  // Waits (lane 0) until the receiver has consumed the previous use of slot `index`, announcing the
-  // held slots first when the slot is not free yet. Warp-collective.
-  __device__ void wait_free(uint64_t index, const uint64_t* head, int64_t used_bytes, const WaitSite& site) {
-    if (index + 1 <= static_cast<uint64_t>(slots_)) return;
-    const uint64_t needed = index + 1 - slots_;
-    const bool free = shfl(lane_id() == 0 && ld_acquire_sys(head) >= needed ? 1 : 0, 0) != 0;
-    if (free) return;
-    announce(used_bytes);
-    if (lane_id() == 0) wait_at_least(head, needed, site, kWaitFreeSlot, pe_);
-    __syncwarp();
-  }
-
- private:
-  uint8_t* recv_ring_;
-  uint8_t* staging_;
-  uint8_t* direct_ring_;
-  uint64_t* tail_;
+  int pe_;
+  uint8_t* recv_ring_;     // slot 0 of the ring at the receiver (symmetric address)
+  uint8_t* staging_;       // slot 0 of this PE's send staging for the ring
+  uint8_t* direct_ring_;   // recv_ring_ through nvshmem_ptr, or nullptr
+  uint64_t* tail_;         // the receiver's tail word (symmetric)
   uint64_t* direct_tail_;
-  int64_t slot_bytes_;
-  int slots_, chunk_, pe_;
+  const uint64_t* head_;   // this PE's head word: slots the receiver has consumed
+  uint64_t* sent_base_;    // this PE's total of slots sent on the ring
+  uint64_t base_;
+  int64_t slot_bytes_, used_bytes_;
+  int slots_, chunk_;
   uint64_t pending_first_;
   int pending_;
 };
