@@ -9,8 +9,10 @@ For each dispatcher, on the same weights, inputs and routing:
   ([M, H] bf16 rows, [M] probs). It costs as much as the whole dispatcher (M x H fp32 products), so
 - dispatcher time = round - stand-in (per rank, then the slowest rank): the dispatcher's own work
   (permutations, communication, host syncs). The round and the stand-in are reported too;
-- layer step: the whole MoELayer forward + backward (router, dispatch, SequentialMLP experts, or
-  TransformerEngine's grouped GEMM with --experts te, combine).
+- layer step: the whole MoELayer forward + backward (router, dispatch, experts, combine). The experts
+  (--expert-impl): SequentialMLP (one chain of small kernels per expert), `grouped` (Megatron's
+  TEGroupedMLP on PyTorch's grouped GEMM, torch_grouped_experts.py: no TransformerEngine needed) or
+  `te` (TransformerEngine's grouped GEMM).
 
 The dispatchers' layers live side by side and take turns in every timed iteration (the layer step
 is bound by the host's launch rate, which drifts between minutes; turns give every dispatcher the
@@ -29,6 +31,7 @@ Importable without a GPU (the work runs in spawned ranks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -56,8 +59,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--ranks", type=int, default=2, help="GPUs (= EP size)")
     parser.add_argument("--dispatchers", default=",".join(DISPATCHERS))
-    parser.add_argument("--expert-impl", choices=("sequential", "te"), default="sequential",
-                        help="SequentialMLP (no TransformerEngine) or TE's grouped GEMM (needs TE)")
+    parser.add_argument("--expert-impl", choices=("sequential", "grouped", "te"), default="sequential",
+                        help="SequentialMLP, TEGroupedMLP on torch's grouped_mm (no TE), or TE's grouped GEMM (needs TE)")
     parser.add_argument("--permute-fusion", action="store_true", help="moe_permute_fusion (needs TE)")
     parser.add_argument("--ep-plugin-config", default=None, help="ep_plugin YAML for the ep_plugin dispatcher")
     parser.add_argument("--warmup", type=int, default=5)
@@ -111,6 +114,9 @@ def _build_layer(args: argparse.Namespace, dispatcher: str):
     spec = get_moe_module_spec(use_te=args.expert_impl == "te", num_experts=args.num_experts,
                                moe_grouped_gemm=args.expert_impl == "te")
     submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    if args.expert_impl == "grouped":
+        from torch_grouped_experts import grouped_experts_builder
+        submodules = dataclasses.replace(submodules, experts=grouped_experts_builder())
     return MoELayer(config, submodules).cuda()
 
 

@@ -23,8 +23,10 @@
 #              `timeouts`), then benchmarks/bench_low_latency.py
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench, direct (NVLink stores) and EP_PLUGIN_NETWORK_PUTS=1
-#   megatron   Megatron GPU tests and the layer benchmark at MEGATRON_RANKS (default 2) GPUs, then ep_plugin alone with the
-#              combine on the SMs (carry .whl with the megatron-core cp312 wheel;
+#   megatron   Megatron GPU tests (MEGATRON_TESTS=0 skips them) and the layer benchmark at MEGATRON_RANKS (default 2)
+#              GPUs, once per expert implementation in MEGATRON_EXPERT_IMPLS (default "sequential"; also "grouped"),
+#              then ep_plugin alone with the combine on the SMs (MEGATRON_SM_COMBINE=0 skips it)
+#              (carry .whl with the megatron-core cp312 wheel;
 #              MEGATRON_PROFILE=1 adds torch.profiler tables of the dispatcher round and the layer step per dispatcher)
 # Megatron needs `carry: [".whl"]` in the device call, after (here, once; .gitignore ignores /.whl/):
 #   python3 -m pip download --no-deps --only-binary=:all: \
@@ -151,13 +153,17 @@ for s in $STAGES; do
       if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/tests.log" 2>&1
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-        stage tests timeout "${MEGATRON_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_megatron_gpu.py
-        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
-          --out "$OUT/results_dir/megatron_layer.json" \
-          ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile"}
-        # ep_plugin with the combine on the SMs only, for comparison in the same call.
-        stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
-          --dispatchers ep_plugin --ep-plugin-config /tmp/sm_combine.yaml --out "$OUT/results_dir/megatron_layer_sm_combine.json"
+        [ "${MEGATRON_TESTS:-1}" = 1 ] && \
+          stage tests timeout "${MEGATRON_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_megatron_gpu.py
+        for impl in ${MEGATRON_EXPERT_IMPLS:-sequential}; do  # the layer's experts: sequential, grouped, te
+          stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
+            --expert-impl "$impl" --out "$OUT/results_dir/megatron_layer_$impl.json" \
+            ${MEGATRON_PROFILE:+--profile-dir "$OUT/results_dir/megatron_profile_$impl"}
+        done
+        # ep_plugin with the combine on the SMs only, for comparison in the same call (MEGATRON_SM_COMBINE=0 skips it).
+        [ "${MEGATRON_SM_COMBINE:-1}" = 1 ] && \
+          stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_megatron_layer.py --ranks "${MEGATRON_RANKS:-2}" \
+            --dispatchers ep_plugin --ep-plugin-config /tmp/sm_combine.yaml --out "$OUT/results_dir/megatron_layer_sm_combine.json"
       else
         echo "megatron: skipped (carry .whl with the megatron-core cp312 wheel; see docs/megatron.md)" >> "$summary"
       fi
