@@ -11,6 +11,12 @@
 // the word of its expert is complete, then all threads reduce the token's rows in k order. The last
 // block to finish waits for every word of the round (each expert announces a count, also of 0) and
 // resets them.
+//
+// Expert-side sums (the dispatch carried routes, see low_latency_layout.cuh): the expert side sends,
+// for each (source, token) it received, one fp32 partial: the sum over the token's columns here, in
+// k order, of weight * row, in kPartialPieces pieces, each adding 1 to the source's word of (token,
+// this rank). The token side waits for the partial of every rank holding one of its experts and adds
+// them in rank order. The weights are the ones the dispatch carried.
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
@@ -73,11 +79,95 @@ __device__ void combine_send(const CombineArgs& a) {
     if (warp == kWarps - 1) {
       for (int src = lane; src < num_ranks; src += 32)
         announce_count(a.round.combine_signals + a.rank * num_local + local,
-                       static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces, src);
+                       count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
     // Warps take (slot, piece) items in turn.
     for (int item = warp; item < total * pieces; item += kWarps)
       send_row_piece(a, local, item / pieces, item % pieces, pieces);
+  }
+}
+
+// ---- send, expert-side sums -----------------------------------------------------------------------
+constexpr int kSumBatch = 8;  // rows loaded before the first is summed
+
+__device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a, int src, int token) {
+  return reinterpret_cast<const RouteRecord*>(a.round.data + a.layout.route_table_offset()) +
+         static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
+}
+
+// acc[0..8) += the weighted sum, in k order, of unit `unit` (8 channels) of the rows of the columns in
+// `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the reference computes.
+// NOTE: the rows of a batch are loaded before any is summed; the sum stays in k order.
+__device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask, int unit,
+                                            float* acc) {
+  const int64_t row_bytes = a.layout.row_bytes();
+  while (mask != 0) {
+    int4 packed[kSumBatch];
+    float weight[kSumBatch];
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (mask == 0) break;
+      const int k = __ffs(mask) - 1;
+      mask &= mask - 1;
+      weight[j] = __ldg(record->weights + k);
+      const int64_t row = __ldg(record->rows + k);
+      packed[j] = ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + row * row_bytes) + unit);
+      n = j + 1;
+    }
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (j >= n) break;
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weight[j], f.x));
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weight[j], f.y));
+      }
+    }
+  }
+}
+
+// Sends piece `piece` of the partial of (src, token) into row (token, this rank) of src's
+// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank).
+// Warp-collective; src is reachable by NVLink (the runtime allows expert-side sums only then).
+__device__ void send_partial_piece(const CombineArgs& a, const RouteRecord* record, uint32_t mask, int src, int token,
+                                   int piece) {
+  const LowLatencyLayout& layout = a.layout;
+  const int num_units = layout.hidden / 8;
+  const int first_unit = piece * num_units / kPartialPieces, end_unit = (piece + 1) * num_units / kPartialPieces;
+  const int64_t partial_row = static_cast<int64_t>(token) * layout.num_ranks + a.rank;
+  uint8_t* dst = a.round.data + layout.combine_recv_offset() + partial_row * 4 * layout.hidden;  // symmetric
+  float4* peer_dst = static_cast<float4*>(nvshmem_ptr(dst, src));
+  for (int unit = first_unit + lane_id(); unit < end_unit; unit += 32) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    sum_columns(a, record, mask, unit, acc);
+    peer_dst[2 * unit] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    peer_dst[2 * unit + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+  publish_direct(a.round.combine_signals + partial_row, src);
+}
+
+// Block b: local experts b, b + B, ...; of each message, the one of its token's first column here
+// sends the token's partial, in pieces that the warps take in turn.
+__device__ void combine_send_sums(const CombineArgs& a) {
+  const LowLatencyLayout& layout = a.layout;
+  const int warp = threadIdx.x / 32;
+  const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
+  for (int local = blockIdx.x; local < num_local; local += a.num_blocks) {
+    const int64_t last = a.recv_layout[static_cast<int64_t>(local) * num_ranks + num_ranks - 1];
+    const int total = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
+    for (int item = warp; item < total * kPartialPieces; item += kWarps) {
+      const int info = a.recv_src_info[static_cast<int64_t>(local) * layout.num_slots() + item / kPartialPieces];
+      const int src = info >> kSourceRowBits, entry = info & ((1 << kSourceRowBits) - 1);
+      const int token = entry / kMaxTopk, k = entry % kMaxTopk;
+      const RouteRecord* record = route_record(a, src, token);
+      const uint32_t mask = __ldg(&record->local_mask);
+      if (__ffs(mask) - 1 == k) send_partial_piece(a, record, mask, src, token, item % kPartialPieces);
+    }
   }
 }
 
@@ -177,7 +267,75 @@ __device__ void combine_recv(const CombineArgs& a) {
   if (threadIdx.x == 0) a.round.state->combine_blocks_done = 0;
 }
 
+// ---- receive, expert-side sums --------------------------------------------------------------------
+// Spins (one thread) until `word` counts `expected` arrivals; through Deadline past timeout_s.
+__device__ __forceinline__ void wait_arrivals(const uint64_t* word, uint64_t expected, const WaitSite& site, int peer) {
+  Deadline deadline(site);
+  while (true) {
+    const uint64_t value = ld_acquire_sys(word);
+    if (value == expected) return;
+    deadline.check(kWaitTokenPartials, peer, static_cast<int64_t>(expected), static_cast<int64_t>(value));
+  }
+}
+
+// Block b: tokens b, b + B, ...: out[token] = the partials of the ranks holding its experts, added in
+// rank order in fp32, rounded to bf16. The waiting lane resets its word (its only reader).
+__device__ void combine_recv_sums(const CombineArgs& a) {
+  __shared__ uint32_t token_ranks;
+  const LowLatencyLayout& layout = a.layout;
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
+  const int num_units = layout.hidden / 8;
+  for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
+    if (warp == 0) {
+      uint32_t rank_bit = 0;
+      if (lane < a.num_topk) {
+        const int64_t id = __ldg(a.topk_idx + static_cast<int64_t>(token) * a.num_topk + lane);
+        if (id >= 0 && id < layout.num_experts) rank_bit = 1u << (id / num_local);
+      }
+      const uint32_t ranks = __reduce_or_sync(0xffffffffu, rank_bit);
+      if (lane < num_ranks && (ranks >> lane & 1u)) {
+        uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
+        const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
+        wait_arrivals(word, kPartialPieces, site, lane);
+        // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
+        // after this kernel ended (as for the per-expert words).
+        st_volatile_u64(word, 0);
+      }
+      if (lane == 0) token_ranks = ranks;
+    }
+    // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
+    // loads below (L2 only: ld.cg).
+    __syncthreads();
+    const uint32_t ranks = token_ranks;
+    const float4* partials = reinterpret_cast<const float4*>(a.round.data + layout.combine_recv_offset() +
+                                                             static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
+    int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + token * layout.row_bytes());
+    for (int unit = threadIdx.x; unit < num_units; unit += kThreads) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (uint32_t left = ranks; left != 0; left &= left - 1) {
+        const int64_t base = static_cast<int64_t>(__ffs(left) - 1) * layout.hidden / 4 + 2 * unit;
+        const int4 lo = ld_cg_v4(reinterpret_cast<const int4*>(partials + base));
+        const int4 hi = ld_cg_v4(reinterpret_cast<const int4*>(partials + base + 1));
+        const float v[8] = {__int_as_float(lo.x), __int_as_float(lo.y), __int_as_float(lo.z), __int_as_float(lo.w),
+                            __int_as_float(hi.x), __int_as_float(hi.y), __int_as_float(hi.z), __int_as_float(hi.w)};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      out[unit] = to_bf16x8(acc);
+    }
+    __syncthreads();  // token_ranks is rewritten for the next token
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
+  if (args.expert_sums) {
+    if (args.phases & kPhaseSend) combine_send_sums(args);
+    if (args.phases & kPhaseRecv) combine_recv_sums(args);
+    return;
+  }
   if (args.phases & kPhaseSend) combine_send(args);
   if (args.phases & kPhaseRecv) combine_recv(args);
 }
