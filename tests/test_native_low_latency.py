@@ -240,7 +240,8 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
         native_x = ctx.native.get_next_low_latency_combine_buffer(got[2])
         assert native_x.shape == combine_x.shape and native_x.dtype == torch.bfloat16
         native_x.copy_(combine_x)
-    combine_ids = ids.clone()
+    # After a dispatch given topk_weights the combine must get the dispatch's own ids tensor.
+    combine_ids = ids if route else ids.clone()
     if mask_after:
         combine_ids[torch.rand(ids.shape, generator=ctx.gen(case_id + 9000)).cuda() < 0.4] = -1
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda") if use_out else None
