@@ -15,6 +15,7 @@
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
+#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -150,8 +151,10 @@ __device__ void combine_recv(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
+    if (token == blockIdx.x) EP_PHASE_MARK(2);
     reduce_token(a, token);
   }
+  EP_PHASE_MARK(3);
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
   // for every word first: an expert that returns nothing still announces 0, and that addition must
@@ -175,11 +178,23 @@ __device__ void combine_recv(const CombineArgs& a) {
     st_volatile_u64(word, 0);
   }
   if (threadIdx.x == 0) a.round.state->combine_blocks_done = 0;
+  EP_PHASE_MARK(4);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
-  if (args.phases & kPhaseSend) combine_send(args);
+  EP_PHASE_MARK(0);
+  if (args.phases & kPhaseSend) {
+    combine_send(args);
+    EP_PHASE_SYNC();
+    EP_PHASE_MARK(1);
+  }
   if (args.phases & kPhaseRecv) combine_recv(args);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  EP_PHASE_MARK(5);
+  const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
+  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv",
+               args.rank, args.num_tokens, names);
+#endif
 }
 
 }  // namespace
