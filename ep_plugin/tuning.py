@@ -221,7 +221,8 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
                            zero-copy buffer)
         combine receive    T_max * 32 bf16 rows (token, top-k slot)
         dispatch send      T_max payloads + T_max * 32 staged index entries (network peers)
-        route table        R * T_max records (a mask, 32 weights, 32 rows) for expert-side sums
+        route table        R * T_max records (a mask, 32 weights, 32 rows) for expert-side sums, then
+                           the pair list (R * T_max int32)
     """
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
@@ -231,5 +232,5 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     dispatch_recv = max(token_recv + recv_index, _align(num_experts * T * hidden * 2, LL_AREA_ALIGN))
     combine_recv = _align(T * LL_MAX_TOPK * hidden * 2, LL_AREA_ALIGN)
     dispatch_send = _align(T * payload, LL_AREA_ALIGN) + _align(T * LL_MAX_TOPK * LL_INDEX_ENTRY_BYTES, LL_AREA_ALIGN)
-    route_table = _align(num_ranks * T * LL_ROUTE_RECORD_BYTES, LL_AREA_ALIGN)
+    route_table = _align(num_ranks * T * LL_ROUTE_RECORD_BYTES, LL_AREA_ALIGN) + _align(num_ranks * T * 4, LL_AREA_ALIGN)
     return LL_HEADER_BYTES + 2 * (dispatch_recv + combine_recv + dispatch_send + route_table)

@@ -24,21 +24,21 @@ SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 3
 
 
 def _layer(config, experts_builder=None):
+    """A real MoELayer (local spec), its experts replaced by `experts_builder` if given; its router on the CPU."""
     import dataclasses
-    import functools
 
+    import megatron_cases  # after megatron_env.prepare(); imports Megatron
     import torch
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    submodules = megatron_cases.moe_submodules(spec)
     if experts_builder is not None:
         submodules = dataclasses.replace(submodules, experts=experts_builder)
     torch.manual_seed(0)
     layer = MoELayer(config, submodules)
-    # Megatron's TopKRouter.gating moves CPU weights to CUDA: the same fp32 logits on the CPU.
-    layer.router.gating = lambda hidden: torch.nn.functional.linear(hidden.float(), layer.router.weight.float())
+    megatron_cases.run_router_on_cpu(layer.router)
     return layer
 
 

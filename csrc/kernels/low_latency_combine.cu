@@ -13,14 +13,16 @@
 // resets them.
 //
 // Expert-side sums (the dispatch carried routes, see low_latency_layout.cuh): the expert side sends,
-// for each (source, token) it received, one fp32 partial: the sum over the token's columns here, in
-// k order, of weight * row, in kPartialPieces pieces, each adding 1 to the source's word of (token,
-// this rank). The token side waits for the partial of every rank holding one of its experts and adds
-// them in rank order. The weights are the ones the dispatch carried.
+// for each (source, token) pair it received, one fp32 partial: the sum over the token's columns
+// here, in k order, of weight * row. Every warp of the grid takes (pair, piece) items; each piece
+// adds 1 to the source's word of (token, this rank), and piece 0 announces how many there are. The
+// token side waits for the partial of every rank holding one of its experts and adds them in rank
+// order. The weights are the ones the dispatch carried.
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
+#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -88,21 +90,32 @@ __device__ void combine_send(const CombineArgs& a) {
 }
 
 // ---- send, expert-side sums -----------------------------------------------------------------------
-constexpr int kSumBatch = 8;  // rows loaded before the first is summed
+// Work items are (pair, piece): the dispatch's receive listed every (source, token) pair received
+// here; each partial is cut into pieces so that every warp of the grid has about one item, whatever
+// the token count (one warp per partial paid one memory latency per 32 units, one after another).
+constexpr int kSumBatch = 8;      // columns loaded before the first is summed
+constexpr int kSumUnits = 2;      // units (8 channels) per lane and step: kSumBatch * kSumUnits loads in flight
+constexpr int kMaxPartialPieces = 32;
 
 __device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a, int src, int token) {
   return reinterpret_cast<const RouteRecord*>(a.round.data + a.layout.route_table_offset()) +
          static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
 }
 
-// acc[0..8) += the weighted sum, in k order, of unit `unit` (8 channels) of the rows of the columns in
-// `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the reference computes.
-// NOTE: the rows of a batch are loaded before any is summed; the sum stays in k order.
-__device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask, int unit,
-                                            float* acc) {
+// Pieces per partial: about one item per warp of the grid, each at least one unit per lane.
+__device__ __forceinline__ int partial_pieces(int num_pairs, int num_units, int num_warps) {
+  const int wanted = num_pairs > 0 ? (num_warps + num_pairs - 1) / num_pairs : 1;
+  return max(1, min(min(wanted, kMaxPartialPieces), num_units / 32));
+}
+
+// acc[u][0..8) += the weighted sum, in k order, of units unit[u] (8 channels each; -1: none) of the
+// rows of the columns in `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the
+// reference computes. NOTE: a batch's rows are loaded before any is summed; the sum stays in k order.
+__device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask,
+                                            const int (&unit)[kSumUnits], float (&acc)[kSumUnits][8]) {
   const int64_t row_bytes = a.layout.row_bytes();
   while (mask != 0) {
-    int4 packed[kSumBatch];
+    int4 packed[kSumBatch][kSumUnits];
     float weight[kSumBatch];
     int n = 0;
 #pragma unroll
@@ -111,63 +124,84 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
       const int k = __ffs(mask) - 1;
       mask &= mask - 1;
       weight[j] = __ldg(record->weights + k);
-      const int64_t row = __ldg(record->rows + k);
-      packed[j] = ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + row * row_bytes) + unit);
+      const int4* row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
+#pragma unroll
+      for (int u = 0; u < kSumUnits; ++u)
+        if (unit[u] >= 0) packed[j][u] = ld_nc_v4(row + unit[u]);
       n = j + 1;
     }
 #pragma unroll
     for (int j = 0; j < kSumBatch; ++j) {
       if (j >= n) break;
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weight[j], f.x));
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weight[j], f.y));
+      for (int u = 0; u < kSumUnits; ++u) {
+        if (unit[u] < 0) continue;
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j][u]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(pairs[i]);
+          acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(weight[j], f.x));
+          acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(weight[j], f.y));
+        }
       }
     }
   }
 }
 
-// Sends piece `piece` of the partial of (src, token) into row (token, this rank) of src's
-// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank).
-// Warp-collective; src is reachable by NVLink (the runtime allows expert-side sums only then).
-__device__ void send_partial_piece(const CombineArgs& a, const RouteRecord* record, uint32_t mask, int src, int token,
-                                   int piece) {
+// Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
+// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
+// also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
+// expert-side sums only then).
+__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces) {
   const LowLatencyLayout& layout = a.layout;
+  const RouteRecord* record = route_record(a, src, token);
+  const uint32_t mask = __ldg(&record->local_mask);
   const int num_units = layout.hidden / 8;
-  const int first_unit = piece * num_units / kPartialPieces, end_unit = (piece + 1) * num_units / kPartialPieces;
+  const int first_unit = piece * num_units / pieces, end_unit = (piece + 1) * num_units / pieces;
   const int64_t partial_row = static_cast<int64_t>(token) * layout.num_ranks + a.rank;
   uint8_t* dst = a.round.data + layout.combine_recv_offset() + partial_row * 4 * layout.hidden;  // symmetric
-  float4* peer_dst = static_cast<float4*>(nvshmem_ptr(dst, src));
-  for (int unit = first_unit + lane_id(); unit < end_unit; unit += 32) {
-    float acc[8];
+  int4* peer_dst = static_cast<int4*>(nvshmem_ptr(dst, src));
+  for (int base = first_unit; base < end_unit; base += 32 * kSumUnits) {
+    int unit[kSumUnits];
+    float acc[kSumUnits][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int u = 0; u < kSumUnits; ++u) {
+      const int candidate = base + u * 32 + lane_id();
+      unit[u] = candidate < end_unit ? candidate : -1;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+    }
     sum_columns(a, record, mask, unit, acc);
-    peer_dst[2 * unit] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    peer_dst[2 * unit + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+    for (int u = 0; u < kSumUnits; ++u) {
+      if (unit[u] < 0) continue;
+      const float* v = acc[u];
+      st_na_v4(peer_dst + 2 * unit[u], make_int4(__float_as_int(v[0]), __float_as_int(v[1]), __float_as_int(v[2]),
+                                                 __float_as_int(v[3])));
+      st_na_v4(peer_dst + 2 * unit[u] + 1, make_int4(__float_as_int(v[4]), __float_as_int(v[5]),
+                                                     __float_as_int(v[6]), __float_as_int(v[7])));
+    }
   }
-  publish_direct(a.round.combine_signals + partial_row, src);
+  // NOTE: as publish_direct: the warp barrier, then lane 0's release at system scope.
+  __syncwarp();
+  if (lane_id() == 0) {
+    uint64_t* word = static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + partial_row, src));
+    red_add_release_sys(word, piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1);
+  }
+  __syncwarp();
 }
 
-// Block b: local experts b, b + B, ...; of each message, the one of its token's first column here
-// sends the token's partial, in pieces that the warps take in turn.
+// Every warp of the grid takes (pair, piece) items in turn.
 __device__ void combine_send_sums(const CombineArgs& a) {
   const LowLatencyLayout& layout = a.layout;
-  const int warp = threadIdx.x / 32;
-  const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
-  for (int local = blockIdx.x; local < num_local; local += a.num_blocks) {
-    const int64_t last = a.recv_layout[static_cast<int64_t>(local) * num_ranks + num_ranks - 1];
-    const int total = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
-    for (int item = warp; item < total * kPartialPieces; item += kWarps) {
-      const int info = a.recv_src_info[static_cast<int64_t>(local) * layout.num_slots() + item / kPartialPieces];
-      const int src = info >> kSourceRowBits, entry = info & ((1 << kSourceRowBits) - 1);
-      const int token = entry / kMaxTopk, k = entry % kMaxTopk;
-      const RouteRecord* record = route_record(a, src, token);
-      const uint32_t mask = __ldg(&record->local_mask);
-      if (__ffs(mask) - 1 == k) send_partial_piece(a, record, mask, src, token, item % kPartialPieces);
-    }
+  // Written by the dispatch's receive, an earlier kernel.
+  const int num_pairs = static_cast<int>(ld_volatile_u32(&a.round.state->listed_pairs));
+  const int num_warps = a.num_blocks * kWarps;
+  const int pieces = partial_pieces(num_pairs, layout.hidden / 8, num_warps);
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
+  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
+    const int pair = __ldg(pairs + item / pieces);
+    send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces);
   }
 }
 
@@ -240,8 +274,10 @@ __device__ void combine_recv(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
+    if (token == blockIdx.x) EP_PHASE_MARK(2);
     reduce_token(a, token);
   }
+  EP_PHASE_MARK(3);
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
   // for every word first: an expert that returns nothing still announces 0, and that addition must
@@ -265,16 +301,19 @@ __device__ void combine_recv(const CombineArgs& a) {
     st_volatile_u64(word, 0);
   }
   if (threadIdx.x == 0) a.round.state->combine_blocks_done = 0;
+  EP_PHASE_MARK(4);
 }
 
 // ---- receive, expert-side sums --------------------------------------------------------------------
-// Spins (one thread) until `word` counts `expected` arrivals; through Deadline past timeout_s.
-__device__ __forceinline__ void wait_arrivals(const uint64_t* word, uint64_t expected, const WaitSite& site, int peer) {
+// Spins (one thread) until the word of a token's partial from `peer` is complete (piece count
+// announced, that many pieces arrived); through Deadline past timeout_s.
+__device__ __forceinline__ void wait_partial(const uint64_t* word, const WaitSite& site, int peer) {
   Deadline deadline(site);
   while (true) {
     const uint64_t value = ld_acquire_sys(word);
-    if (value == expected) return;
-    deadline.check(kWaitTokenPartials, peer, static_cast<int64_t>(expected), static_cast<int64_t>(value));
+    if (signal_complete(value)) return;
+    const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
+    deadline.check(kWaitTokenPartials, peer, expected, signal_arrived(value));
   }
 }
 
@@ -297,7 +336,7 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
       if (lane < num_ranks && (ranks >> lane & 1u)) {
         uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
         const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
-        wait_arrivals(word, kPartialPieces, site, lane);
+        wait_partial(word, site, lane);
         // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
         // after this kernel ended (as for the per-expert words).
         st_volatile_u64(word, 0);
@@ -307,6 +346,7 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
     // loads below (L2 only: ld.cg).
     __syncthreads();
+    if (token == blockIdx.x) EP_PHASE_MARK(2);
     const uint32_t ranks = token_ranks;
     const float4* partials = reinterpret_cast<const float4*>(a.round.data + layout.combine_recv_offset() +
                                                              static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
@@ -328,16 +368,33 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     }
     __syncthreads();  // token_ranks is rewritten for the next token
   }
+  EP_PHASE_MARK(3);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
-  if (args.expert_sums) {
-    if (args.phases & kPhaseSend) combine_send_sums(args);
-    if (args.phases & kPhaseRecv) combine_recv_sums(args);
-    return;
+  EP_PHASE_MARK(0);
+  if (args.phases & kPhaseSend) {
+    if (args.expert_sums) {
+      combine_send_sums(args);
+    } else {
+      combine_send(args);
+    }
+    EP_PHASE_SYNC();
+    EP_PHASE_MARK(1);
   }
-  if (args.phases & kPhaseSend) combine_send(args);
-  if (args.phases & kPhaseRecv) combine_recv(args);
+  if (args.phases & kPhaseRecv) {
+    if (args.expert_sums) {
+      combine_recv_sums(args);
+    } else {
+      combine_recv(args);
+    }
+  }
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  EP_PHASE_MARK(5);
+  const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
+  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv",
+               args.rank, args.num_tokens, names);
+#endif
 }
 
 }  // namespace

@@ -32,6 +32,7 @@
 
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
+#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -345,7 +346,12 @@ __device__ void record_route(const DispatchArgs& a, int src, int token, int k, i
                         static_cast<int64_t>(src) * layout.num_max_tokens + token;
   if (lane == 0) record->rows[k] = row;
   if (__ffs(local_mask) - 1 != k) return;
-  if (lane == 0) record->local_mask = local_mask;
+  if (lane == 0) {
+    record->local_mask = local_mask;
+    // The combine's send takes its work from this list (RoundState::num_pairs entries).
+    const uint32_t position = atomicAdd(&a.round.state->num_pairs, 1u);
+    reinterpret_cast<int32_t*>(a.round.data + layout.pair_list_offset())[position] = src * layout.num_max_tokens + token;
+  }
   if (lane < a.num_topk) record->weights[lane] = ld_cg_f32(weights + lane);
 }
 
@@ -415,6 +421,22 @@ __device__ __forceinline__ int region_of_slot(const int* region_begin, int num_r
   return low;
 }
 
+// Expert-side sums: once every block has appended its pairs, the last one publishes their count for
+// the combine and resets the counters. Called by every thread of every receive block.
+// NOTE: fences around the counter: every block's appends happen before its increment, and the last
+// block reads num_pairs after it has seen every increment.
+__device__ void publish_pair_count(const DispatchArgs& a) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  RoundState* state = a.round.state;
+  __threadfence();
+  if (atomicAdd(&state->dispatch_blocks_done, 1u) != static_cast<uint32_t>(a.num_blocks - 1)) return;
+  __threadfence();
+  state->listed_pairs = ld_volatile_u32(&state->num_pairs);
+  state->num_pairs = 0;
+  state->dispatch_blocks_done = 0;
+}
+
 __device__ void dispatch_recv(const DispatchArgs& a) {
   __shared__ int region_count[kMaxRanks];
   __shared__ int region_begin[kMaxRanks];
@@ -471,11 +493,23 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
     }
     __syncthreads();  // the tables are rewritten for the next expert
   }
+  if (a.carry_route) publish_pair_count(a);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
-  if (args.phases & kPhaseSend) dispatch_send(args);
+  EP_PHASE_MARK(0);
+  if (args.phases & kPhaseSend) {
+    dispatch_send(args);
+    EP_PHASE_SYNC();
+    EP_PHASE_MARK(1);
+  }
   if (args.phases & kPhaseRecv) dispatch_recv(args);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  EP_PHASE_MARK(3);
+  const char* names[] = {"start", "sent", "first_wait", "end", nullptr, nullptr};
+  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "dispatch" : args.phases == kPhaseSend ? "dispatch_send" : "dispatch_recv",
+               args.rank, args.num_tokens, names);
+#endif
 }
 
 }  // namespace

@@ -28,6 +28,8 @@
 //                  what the combine needs of each (source rank, token) received here: the mask of its
 //                  top-k columns whose experts live here, their weights and their rows in recv_x.
 //                  Written by the dispatch's receive, read by the combine's send (never by a peer).
+//                  Then the pair list: [R * T_max] int32 src * T_max + token, one per pair received,
+//                  RoundState::listed_pairs of them (appended by the dispatch's receive).
 //
 // Expert-side sums (the dispatch was given topk_weights; every peer reachable by NVLink): a token's
 // payload also carries its top-k ids and weights (the route, kRouteBytes). The combine then sums, on
@@ -54,7 +56,6 @@ constexpr int kThreads = 512;         // threads of every low-latency kernel blo
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kAreaAlign = 128;
 constexpr int kRouteBytes = 2 * kMaxTopk * 4;  // a payload's route: int32 expert ids, then float weights
-constexpr int kPartialPieces = 8;               // expert-side sums: pieces (and signal arrivals) per partial
 constexpr int kMaxExpertSumRanks = kMaxTopk / 2;  // [T_max][R] fp32 partials fit combine_recv
 
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
@@ -63,7 +64,13 @@ enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 struct RoundState {
   uint32_t combine_blocks_done;  // combine receive blocks that have read every signal they need
   int32_t error_claim;           // round 0's: the first device error of this PE claims it
-  uint32_t reserved[30];
+  // Expert-side sums: the dispatch's receive appends to the pair list, counting on num_pairs; its
+  // last block publishes the count in listed_pairs (what the combine reads) and resets the rest, so a
+  // dispatch that no combine follows leaves nothing behind.
+  uint32_t num_pairs;
+  uint32_t listed_pairs;
+  uint32_t dispatch_blocks_done;
+  uint32_t reserved[27];
 };
 static_assert(sizeof(RoundState) == 128, "RoundState must stay 128 bytes");
 
@@ -170,9 +177,13 @@ struct LowLatencyLayout {
     return token_payloads_bytes() + align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * 4, kAreaAlign);
   }
   // route_table = R * T_max * sizeof(RouteRecord)
-  __host__ __device__ int64_t route_table_bytes() const {
+  __host__ __device__ int64_t route_records_bytes() const {
     return align_up(static_cast<int64_t>(num_ranks) * num_max_tokens * static_cast<int64_t>(sizeof(RouteRecord)),
                     kAreaAlign);
+  }
+  // route_table = the records, then the pair list (R * T_max int32)
+  __host__ __device__ int64_t route_table_bytes() const {
+    return route_records_bytes() + align_up(static_cast<int64_t>(num_ranks) * num_max_tokens * 4, kAreaAlign);
   }
   __host__ __device__ int64_t round_bytes() const {
     return dispatch_recv_bytes() + combine_recv_bytes() + dispatch_send_bytes() + route_table_bytes();
@@ -193,6 +204,7 @@ struct LowLatencyLayout {
   __host__ __device__ int64_t token_payloads_offset() const { return combine_recv_offset() + combine_recv_bytes(); }
   __host__ __device__ int64_t staged_index_offset() const { return token_payloads_offset() + token_payloads_bytes(); }
   __host__ __device__ int64_t route_table_offset() const { return token_payloads_offset() + dispatch_send_bytes(); }
+  __host__ __device__ int64_t pair_list_offset() const { return route_table_offset() + route_records_bytes(); }
 
   // Payload of token `token` from `src_rank` inside dispatch_recv.
   __host__ __device__ int64_t token_recv_offset(int src_rank, int token) const {
