@@ -312,6 +312,18 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
     torch.cuda.synchronize()
 
 
+def route_dispatches_without_combine(ctx: Ctx, case_id: int) -> None:
+    """Dispatches given topk_weights that no combine follows (both rounds, three times) leave nothing
+    behind: the pair list the next combine works from is its own dispatch's."""
+    for i in range(3):
+        x, ids, w = make_inputs(ctx, case_id + i, 40 + 20 * i, 2048, 8, NUM_EXPERTS, "random")
+        got = ctx.native.low_latency_dispatch(x, ids, T_MAX, NUM_EXPERTS, topk_weights=w)
+        assert got[2].expert_sums
+    torch.cuda.synchronize()
+    ll_case(ctx, case_id + 10, route=True, H=2048)
+    ll_case(ctx, case_id + 11, route=True, H=2048, T=T_MAX // 2)
+
+
 def route_graph_replays(ctx: Ctx, case_id: int, replays: int = 200) -> None:
     """Dispatch with topk_weights (FP8) + combine (expert-side sums) in one CUDA graph, new data each replay."""
     T, H, K, E = T_MAX, 7168, 8, NUM_EXPERTS
@@ -438,6 +450,7 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "route_two_rounds": lambda: (ll_case(ctx, 41, route=True, H=2048), ll_case(ctx, 42, H=2048),
                                      ll_case(ctx, 43, route=True, H=7168, use_fp8=True)),
         "route_errors": lambda: route_errors(ctx, 44),
+        "route_dispatches_without_combine": lambda: route_dispatches_without_combine(ctx, 46),
         "route_cuda_graph_200_replays": lambda: route_graph_replays(ctx, 45),
     }
     for i, H in enumerate((2048, 4096, 7168, 1536, 2880)):
@@ -457,7 +470,7 @@ def case_names() -> List[str]:
     names += ["cuda_graph_1000_replays", "route_bf16", "route_fp8", "route_ue8m0_hook", "route_zero_copy_hook_out",
               "route_skewed", "route_minus_one", "route_unrouted", "route_zero_tokens_one_rank",
               "route_fewer_tokens_small_t_max", "route_topk16", "route_topk32_small_e", "route_two_rounds",
-              "route_errors"]
+              "route_errors", "route_dispatches_without_combine"]
     return names + ["route_cuda_graph_200_replays"]
 
 

@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 #ifdef EP_PLUGIN_PHASE_PROFILE
   EP_PHASE_MARK(5);
   const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
-  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv",
-               args.rank, args.num_tokens, names);
+  const char* kernel = args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv";
+  phase_report(args.expert_sums ? "combine_expert_sums" : kernel, args.rank, args.num_tokens, names);
 #endif
 }
 
