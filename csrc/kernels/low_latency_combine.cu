@@ -40,7 +40,7 @@ __device__ __forceinline__ int row_pieces(int num_rows, int row_units) {
 
 // Sends piece `piece` of `pieces` of slot `slot` of local expert `local` back to where dispatch got
 // it from. Warp-collective.
-__device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces) {
+__device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces, uint32_t* pieces_to) {
   const LowLatencyLayout& layout = a.layout;
   const int64_t row_bytes = layout.row_bytes();
   const int64_t row_units = row_bytes / 16;
@@ -56,7 +56,11 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   uint8_t* peer_dst = static_cast<uint8_t*>(nvshmem_ptr(dst, src));
   if (peer_dst != nullptr) {
     warp_copy_bytes<Load::kReadOnly>(peer_dst, row, bytes);
-    publish_direct(signal, src);
+    if (pieces_to != nullptr) {
+      if (lane_id() == 0) atomicAdd(pieces_to + src, 1u);  // published by the block
+    } else {
+      publish_direct(signal, src);
+    }
   } else {
     // A network peer: the put needs a symmetric source. This round's dispatch_recv area, viewed as
     // [E_local][R * T_max][H] bf16, is free once the dispatch's receive has copied it out (with
@@ -67,7 +71,13 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   }
 }
 
+// Block publish (experiment): after the block's stores, one thread fences at system scope once and
+// then adds each word's arrivals with relaxed reds (a fence followed by the writes in program order
+// is a release of every store the barrier ordered before it).
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 __device__ void combine_send(const CombineArgs& a) {
+  __shared__ uint32_t pieces_to[kMaxRanks];
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
@@ -83,9 +93,24 @@ __device__ void combine_send(const CombineArgs& a) {
         announce_count(a.round.combine_signals + a.rank * num_local + local,
                        count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
+    if (a.block_publish) {
+      for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
+      __syncthreads();
+    }
     // Warps take (slot, piece) items in turn.
     for (int item = warp; item < total * pieces; item += kWarps)
-      send_row_piece(a, local, item / pieces, item % pieces, pieces);
+      send_row_piece(a, local, item / pieces, item % pieces, pieces, a.block_publish ? pieces_to : nullptr);
+    if (a.block_publish) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        fence_sys();
+        for (int src = 0; src < num_ranks; ++src)
+          if (pieces_to[src] != 0)
+            red_add_relaxed_sys(static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + a.rank * num_local + local, src)),
+                                pieces_to[src]);
+      }
+      __syncthreads();
+    }
   }
 }
 
@@ -152,7 +177,13 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
 // combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
 // also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
 // expert-side sums only then).
-__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces) {
+struct PendingWord {
+  uint64_t* word;
+  uint64_t value;
+};
+
+__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces,
+                                   PendingWord* block_words) {
   const LowLatencyLayout& layout = a.layout;
   const RouteRecord* record = route_record(a, src, token);
   const uint32_t mask = __ldg(&record->local_mask);
@@ -182,12 +213,15 @@ __device__ void send_partial_piece(const CombineArgs& a, int src, int token, int
                                                      __float_as_int(v[6]), __float_as_int(v[7])));
     }
   }
+  uint64_t* word = static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + partial_row, src));
+  const uint64_t value = piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1;
+  if (block_words != nullptr) {  // published by the block
+    if (lane_id() == 0) block_words[threadIdx.x / 32] = {word, value};
+    return;
+  }
   // NOTE: as publish_direct: the warp barrier, then lane 0's release at system scope.
   __syncwarp();
-  if (lane_id() == 0) {
-    uint64_t* word = static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + partial_row, src));
-    red_add_release_sys(word, piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1);
-  }
+  if (lane_id() == 0) red_add_release_sys(word, value);
   __syncwarp();
 }
 
@@ -199,9 +233,30 @@ __device__ void combine_send_sums(const CombineArgs& a) {
   const int num_warps = a.num_blocks * kWarps;
   const int pieces = partial_pieces(num_pairs, layout.hidden / 8, num_warps);
   const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
-  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
-    const int pair = __ldg(pairs + item / pieces);
-    send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces);
+  if (!a.block_publish) {
+    for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
+      const int pair = __ldg(pairs + item / pieces);
+      send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces, nullptr);
+    }
+    return;
+  }
+  // Rounds of one item per warp, each published by the block.
+  __shared__ PendingWord block_words[kWarps];
+  for (int first = 0; first < num_pairs * pieces; first += num_warps) {
+    const int item = first + blockIdx.x * kWarps + threadIdx.x / 32;
+    if (lane_id() == 0) block_words[threadIdx.x / 32].word = nullptr;
+    if (item < num_pairs * pieces) {
+      const int pair = __ldg(pairs + item / pieces);
+      send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces,
+                         block_words);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_sys();
+      for (int w = 0; w < kWarps; ++w)
+        if (block_words[w].word != nullptr) red_add_relaxed_sys(block_words[w].word, block_words[w].value);
+    }
+    __syncthreads();
   }
 }
 

@@ -287,6 +287,7 @@ struct CombineArgs {
   // The matching dispatch carried routes: the expert side sums each token's rows with the weights it
   // received (topk_weights above is then unused) and sends one fp32 partial per (token, rank).
   bool expert_sums;
+  bool block_publish;               // experiment: the send's stores released once per block
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
