@@ -118,8 +118,10 @@ __device__ void combine_send(const CombineArgs& a) {
 // Work items are (pair, piece): the dispatch's receive listed every (source, token) pair received
 // here; each partial is cut into pieces so that every warp of the grid has about one item, whatever
 // the token count (one warp per partial paid one memory latency per 32 units, one after another).
-constexpr int kSumBatch = 8;      // columns loaded before the first is summed
-constexpr int kSumUnits = 2;      // units (8 channels) per lane and step: kSumBatch * kSumUnits loads in flight
+// A lane sums quads (4 channels: 8 bytes of each bf16 row in, 16 bytes of fp32 out), so that each
+// store instruction of a warp writes 512 contiguous bytes into the peer: NVLink moves whole lines.
+constexpr int kSumBatch = 8;   // columns loaded before the first is summed
+constexpr int kSumQuads = 4;   // quads per lane and step: kSumBatch * kSumQuads loads in flight
 constexpr int kMaxPartialPieces = 32;
 
 __device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a, int src, int token) {
@@ -127,20 +129,20 @@ __device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a,
          static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
 }
 
-// Pieces per partial: about one item per warp of the grid, each at least one unit per lane.
-__device__ __forceinline__ int partial_pieces(int num_pairs, int num_units, int num_warps) {
+// Pieces per partial: about one item per warp of the grid, each at least one quad per lane.
+__device__ __forceinline__ int partial_pieces(int num_pairs, int num_quads, int num_warps) {
   const int wanted = num_pairs > 0 ? (num_warps + num_pairs - 1) / num_pairs : 1;
-  return max(1, min(min(wanted, kMaxPartialPieces), num_units / 32));
+  return max(1, min(min(wanted, kMaxPartialPieces), num_quads / 32));
 }
 
-// acc[u][0..8) += the weighted sum, in k order, of units unit[u] (8 channels each; -1: none) of the
-// rows of the columns in `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the
-// reference computes. NOTE: a batch's rows are loaded before any is summed; the sum stays in k order.
+// acc[q][0..4) += the weighted sum, in k order, of quads quad[q] (-1: none) of the rows of the
+// columns in `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the reference
+// computes. NOTE: a batch's rows are loaded before any is summed; the sum stays in k order.
 __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask,
-                                            const int (&unit)[kSumUnits], float (&acc)[kSumUnits][8]) {
+                                            const int (&quad)[kSumQuads], float (&acc)[kSumQuads][4]) {
   const int64_t row_bytes = a.layout.row_bytes();
   while (mask != 0) {
-    int4 packed[kSumBatch][kSumUnits];
+    int2 packed[kSumBatch][kSumQuads];
     float weight[kSumBatch];
     int n = 0;
 #pragma unroll
@@ -149,73 +151,70 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
       const int k = __ffs(mask) - 1;
       mask &= mask - 1;
       weight[j] = __ldg(record->weights + k);
-      const int4* row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
+      const int2* row = reinterpret_cast<const int2*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
 #pragma unroll
-      for (int u = 0; u < kSumUnits; ++u)
-        if (unit[u] >= 0) packed[j][u] = ld_nc_v4(row + unit[u]);
+      for (int q = 0; q < kSumQuads; ++q)
+        if (quad[q] >= 0) packed[j][q] = ld_nc_v2(row + quad[q]);
       n = j + 1;
     }
 #pragma unroll
     for (int j = 0; j < kSumBatch; ++j) {
       if (j >= n) break;
 #pragma unroll
-      for (int u = 0; u < kSumUnits; ++u) {
-        if (unit[u] < 0) continue;
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j][u]);
+      for (int q = 0; q < kSumQuads; ++q) {
+        if (quad[q] < 0) continue;
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j][q]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 2; ++i) {
           const float2 f = __bfloat1622float2(pairs[i]);
-          acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(weight[j], f.x));
-          acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(weight[j], f.y));
+          acc[q][2 * i] = __fadd_rn(acc[q][2 * i], __fmul_rn(weight[j], f.x));
+          acc[q][2 * i + 1] = __fadd_rn(acc[q][2 * i + 1], __fmul_rn(weight[j], f.y));
         }
       }
     }
   }
 }
 
-// Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
-// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
-// also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
-// expert-side sums only then).
 struct PendingWord {
   uint64_t* word;
   uint64_t value;
 };
 
+// Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
+// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
+// also announces the piece count. With `block_words`, the word and value are left there for the block
+// to publish. Warp-collective; src is reachable by NVLink (the runtime allows expert-side sums only then).
 __device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces,
                                    PendingWord* block_words) {
   const LowLatencyLayout& layout = a.layout;
   const RouteRecord* record = route_record(a, src, token);
   const uint32_t mask = __ldg(&record->local_mask);
-  const int num_units = layout.hidden / 8;
-  const int first_unit = piece * num_units / pieces, end_unit = (piece + 1) * num_units / pieces;
+  const int num_quads = layout.hidden / 4;
+  const int first_quad = piece * num_quads / pieces, end_quad = (piece + 1) * num_quads / pieces;
   const int64_t partial_row = static_cast<int64_t>(token) * layout.num_ranks + a.rank;
   uint8_t* dst = a.round.data + layout.combine_recv_offset() + partial_row * 4 * layout.hidden;  // symmetric
   int4* peer_dst = static_cast<int4*>(nvshmem_ptr(dst, src));
-  for (int base = first_unit; base < end_unit; base += 32 * kSumUnits) {
-    int unit[kSumUnits];
-    float acc[kSumUnits][8];
+  for (int base = first_quad; base < end_quad; base += 32 * kSumQuads) {
+    int quad[kSumQuads];
+    float acc[kSumQuads][4];
 #pragma unroll
-    for (int u = 0; u < kSumUnits; ++u) {
-      const int candidate = base + u * 32 + lane_id();
-      unit[u] = candidate < end_unit ? candidate : -1;
+    for (int q = 0; q < kSumQuads; ++q) {
+      const int candidate = base + q * 32 + lane_id();
+      quad[q] = candidate < end_quad ? candidate : -1;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+      for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
     }
-    sum_columns(a, record, mask, unit, acc);
+    sum_columns(a, record, mask, quad, acc);
 #pragma unroll
-    for (int u = 0; u < kSumUnits; ++u) {
-      if (unit[u] < 0) continue;
-      const float* v = acc[u];
-      st_na_v4(peer_dst + 2 * unit[u], make_int4(__float_as_int(v[0]), __float_as_int(v[1]), __float_as_int(v[2]),
-                                                 __float_as_int(v[3])));
-      st_na_v4(peer_dst + 2 * unit[u] + 1, make_int4(__float_as_int(v[4]), __float_as_int(v[5]),
-                                                     __float_as_int(v[6]), __float_as_int(v[7])));
+    for (int q = 0; q < kSumQuads; ++q) {
+      if (quad[q] < 0) continue;
+      st_na_v4(peer_dst + quad[q], make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
+                                             __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
     }
   }
   uint64_t* word = static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + partial_row, src));
   const uint64_t value = piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1;
-  if (block_words != nullptr) {  // published by the block
+  if (block_words != nullptr) {
     if (lane_id() == 0) block_words[threadIdx.x / 32] = {word, value};
     return;
   }
@@ -231,7 +230,7 @@ __device__ void combine_send_sums(const CombineArgs& a) {
   // Written by the dispatch's receive, an earlier kernel.
   const int num_pairs = static_cast<int>(ld_volatile_u32(&a.round.state->listed_pairs));
   const int num_warps = a.num_blocks * kWarps;
-  const int pieces = partial_pieces(num_pairs, layout.hidden / 8, num_warps);
+  const int pieces = partial_pieces(num_pairs, layout.hidden / 4, num_warps);
   const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
   if (!a.block_publish) {
     for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
@@ -374,12 +373,14 @@ __device__ __forceinline__ void wait_partial(const uint64_t* word, const WaitSit
 
 // Block b: tokens b, b + B, ...: out[token] = the partials of the ranks holding its experts, added in
 // rank order in fp32, rounded to bf16. The waiting lane resets its word (its only reader).
+constexpr int kRecvBatch = 4;  // ranks' partials loaded before the first is added
+
 __device__ void combine_recv_sums(const CombineArgs& a) {
   __shared__ uint32_t token_ranks;
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
-  const int num_units = layout.hidden / 8;
+  const int num_quads = layout.hidden / 4;
   for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
     if (warp == 0) {
       uint32_t rank_bit = 0;
@@ -403,23 +404,36 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     __syncthreads();
     if (token == blockIdx.x) EP_PHASE_MARK(2);
     const uint32_t ranks = token_ranks;
-    const float4* partials = reinterpret_cast<const float4*>(a.round.data + layout.combine_recv_offset() +
-                                                             static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
-    int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + token * layout.row_bytes());
-    for (int unit = threadIdx.x; unit < num_units; unit += kThreads) {
-      float acc[8];
+    const int4* partials = reinterpret_cast<const int4*>(a.round.data + layout.combine_recv_offset() +
+                                                         static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
+    int2* out = reinterpret_cast<int2*>(static_cast<uint8_t*>(a.out) + token * layout.row_bytes());
+    for (int quad = threadIdx.x; quad < num_quads; quad += kThreads) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (uint32_t left = ranks; left != 0;) {
+        // A batch of ranks' partials loaded before the first is added; the sum stays in rank order.
+        int4 batch[kRecvBatch];
+        int n = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      for (uint32_t left = ranks; left != 0; left &= left - 1) {
-        const int64_t base = static_cast<int64_t>(__ffs(left) - 1) * layout.hidden / 4 + 2 * unit;
-        const int4 lo = ld_cg_v4(reinterpret_cast<const int4*>(partials + base));
-        const int4 hi = ld_cg_v4(reinterpret_cast<const int4*>(partials + base + 1));
-        const float v[8] = {__int_as_float(lo.x), __int_as_float(lo.y), __int_as_float(lo.z), __int_as_float(lo.w),
-                            __int_as_float(hi.x), __int_as_float(hi.y), __int_as_float(hi.z), __int_as_float(hi.w)};
+        for (int j = 0; j < kRecvBatch; ++j) {
+          if (left == 0) break;
+          batch[j] = ld_cg_v4(partials + static_cast<int64_t>(__ffs(left) - 1) * num_quads + quad);
+          left &= left - 1;
+          n = j + 1;
+        }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+        for (int j = 0; j < kRecvBatch; ++j) {
+          if (j >= n) break;
+          acc[0] = __fadd_rn(acc[0], __int_as_float(batch[j].x));
+          acc[1] = __fadd_rn(acc[1], __int_as_float(batch[j].y));
+          acc[2] = __fadd_rn(acc[2], __int_as_float(batch[j].z));
+          acc[3] = __fadd_rn(acc[3], __int_as_float(batch[j].w));
+        }
       }
-      out[unit] = to_bf16x8(acc);
+      int2 packed;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+      pairs[0] = __floats2bfloat162_rn(acc[0], acc[1]);
+      pairs[1] = __floats2bfloat162_rn(acc[2], acc[3]);
+      out[quad] = packed;
     }
     __syncthreads();  // token_ranks is rewritten for the next token
   }

@@ -315,6 +315,12 @@ __device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ int2 ld_nc_v2(const int2* ptr) {
+  int2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
 __device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
   int2 v;
   asm volatile("ld.global.cg.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr) : "memory");
