@@ -149,8 +149,6 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
                                                                               << "); see get_low_latency_rdma_size_hint");
   EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
   timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
-  const char* block_publish = std::getenv("EP_PLUGIN_LL_BLOCK_PUBLISH");  // experiment
-  block_publish_ = block_publish != nullptr && std::string(block_publish) == "1";
   CUDA_CHECK(cudaGetDevice(&device_));
   int num_sms = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
@@ -262,7 +260,6 @@ void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaS
   args.error_claim = &low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, 0).state->error_claim;
   args.timeout_ns = timeout_ns_;
   args.x_is_staging = reinterpret_cast<uintptr_t>(args.x) == combine_buffer_address(parity, args.layout);
-  args.block_publish = block_publish_;
   EP_CHECK_ARG(!args.expert_sums || expert_sums_allowed(args.layout),
                "low_latency_combine: expert-side sums need every peer reachable by NVLink");
   low_latency::launch_combine(args, stream);

@@ -93,7 +93,6 @@ class LowLatencyRuntime {
   double timeout_s_;
   uint64_t timeout_ns_;
   SymmetricBuffer memory_;
-  bool block_publish_ = false;  // experiment: one release per block in the combine's send
   bool every_peer_direct_ = false;  // nvshmem_ptr reaches every PE (set once the buffer is open)
   std::atomic<bool> stop_watchdog_{false};
   std::thread watchdog_;

@@ -4,9 +4,10 @@
 // Send (the expert side; block b: local experts b, b + B, ...): for each source rank, announce how
 // many row pieces this expert returns to it (an expert with few rows splits each into pieces so
 // that all warps work); then warps send each filled slot's row of x, piece by piece, to row
-// (token * kMaxTopk + k) of the source's combine_recv area and add 1 per piece to the source's
-// signal word of this expert (stores + release over NVLink; put-with-signal over the network, from
-// this round's dispatch_recv area used as staging, or straight from it with zero_copy).
+// (token * kMaxTopk + k) of the source's combine_recv area; each piece adds 1 to the source's signal
+// word of this expert (over NVLink: stores, then one release per block and expert; over the network:
+// put-with-signal from this round's dispatch_recv area used as staging, or straight from it with
+// zero_copy).
 // Receive (the token side; block b: tokens b, b + B, ...): one lane per top-k entry waits until
 // the word of its expert is complete, then all threads reduce the token's rows in k order. The last
 // block to finish waits for every word of the round (each expert announces a count, also of 0) and
@@ -39,7 +40,8 @@ __device__ __forceinline__ int row_pieces(int num_rows, int row_units) {
 }
 
 // Sends piece `piece` of `pieces` of slot `slot` of local expert `local` back to where dispatch got
-// it from. Warp-collective.
+// it from: to an NVLink peer, counted in pieces_to[src] for the block to publish; to a network peer,
+// with a put-with-signal. Warp-collective.
 __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces, uint32_t* pieces_to) {
   const LowLatencyLayout& layout = a.layout;
   const int64_t row_bytes = layout.row_bytes();
@@ -56,11 +58,7 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   uint8_t* peer_dst = static_cast<uint8_t*>(nvshmem_ptr(dst, src));
   if (peer_dst != nullptr) {
     warp_copy_bytes<Load::kReadOnly>(peer_dst, row, bytes);
-    if (pieces_to != nullptr) {
-      if (lane_id() == 0) atomicAdd(pieces_to + src, 1u);  // published by the block
-    } else {
-      publish_direct(signal, src);
-    }
+    if (lane_id() == 0) atomicAdd(pieces_to + src, 1u);  // published by the block (combine_send)
   } else {
     // A network peer: the put needs a symmetric source. This round's dispatch_recv area, viewed as
     // [E_local][R * T_max][H] bf16, is free once the dispatch's receive has copied it out (with
@@ -71,9 +69,10 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   }
 }
 
-// Block publish (experiment): after the block's stores, one thread fences at system scope once and
-// then adds each word's arrivals with relaxed reds (a fence followed by the writes in program order
-// is a release of every store the barrier ordered before it).
+// NVLink peers get their arrivals once per expert: after the block's stores, one barrier, then one
+// thread fences at system scope and adds each source's pieces with relaxed reds (a fence followed by
+// writes in program order is a release of every store the barrier ordered before it). One release
+// per warp and piece cost about 3 us more at 128 tokens (2x H200).
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ void combine_send(const CombineArgs& a) {
@@ -93,23 +92,18 @@ __device__ void combine_send(const CombineArgs& a) {
         announce_count(a.round.combine_signals + a.rank * num_local + local,
                        count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
-    if (a.block_publish) {
-      for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
-      __syncthreads();
-    }
+    for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
+    __syncthreads();
     // Warps take (slot, piece) items in turn.
     for (int item = warp; item < total * pieces; item += kWarps)
-      send_row_piece(a, local, item / pieces, item % pieces, pieces, a.block_publish ? pieces_to : nullptr);
-    if (a.block_publish) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        fence_sys();
-        for (int src = 0; src < num_ranks; ++src)
-          if (pieces_to[src] != 0)
-            red_add_relaxed_sys(static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + a.rank * num_local + local, src)),
-                                pieces_to[src]);
-      }
-      __syncthreads();
+      send_row_piece(a, local, item / pieces, item % pieces, pieces, pieces_to);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_sys();
+      for (int src = 0; src < num_ranks; ++src)
+        if (pieces_to[src] != 0)
+          red_add_relaxed_sys(static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + a.rank * num_local + local, src)),
+                              pieces_to[src]);
     }
   }
 }
@@ -175,17 +169,11 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
   }
 }
 
-struct PendingWord {
-  uint64_t* word;
-  uint64_t value;
-};
-
 // Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
 // combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
-// also announces the piece count. With `block_words`, the word and value are left there for the block
-// to publish. Warp-collective; src is reachable by NVLink (the runtime allows expert-side sums only then).
-__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces,
-                                   PendingWord* block_words) {
+// also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
+// expert-side sums only then).
+__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces) {
   const LowLatencyLayout& layout = a.layout;
   const RouteRecord* record = route_record(a, src, token);
   const uint32_t mask = __ldg(&record->local_mask);
@@ -212,16 +200,8 @@ __device__ void send_partial_piece(const CombineArgs& a, int src, int token, int
                                              __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
     }
   }
-  uint64_t* word = static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + partial_row, src));
-  const uint64_t value = piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1;
-  if (block_words != nullptr) {
-    if (lane_id() == 0) block_words[threadIdx.x / 32] = {word, value};
-    return;
-  }
-  // NOTE: as publish_direct: the warp barrier, then lane 0's release at system scope.
-  __syncwarp();
-  if (lane_id() == 0) red_add_release_sys(word, value);
-  __syncwarp();
+  publish_direct(a.round.combine_signals + partial_row, src,
+                 piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1);
 }
 
 // Every warp of the grid takes (pair, piece) items in turn.
@@ -232,30 +212,9 @@ __device__ void combine_send_sums(const CombineArgs& a) {
   const int num_warps = a.num_blocks * kWarps;
   const int pieces = partial_pieces(num_pairs, layout.hidden / 4, num_warps);
   const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
-  if (!a.block_publish) {
-    for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
-      const int pair = __ldg(pairs + item / pieces);
-      send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces, nullptr);
-    }
-    return;
-  }
-  // Rounds of one item per warp, each published by the block.
-  __shared__ PendingWord block_words[kWarps];
-  for (int first = 0; first < num_pairs * pieces; first += num_warps) {
-    const int item = first + blockIdx.x * kWarps + threadIdx.x / 32;
-    if (lane_id() == 0) block_words[threadIdx.x / 32].word = nullptr;
-    if (item < num_pairs * pieces) {
-      const int pair = __ldg(pairs + item / pieces);
-      send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces,
-                         block_words);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      fence_sys();
-      for (int w = 0; w < kWarps; ++w)
-        if (block_words[w].word != nullptr) red_add_relaxed_sys(block_words[w].word, block_words[w].value);
-    }
-    __syncthreads();
+  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
+    const int pair = __ldg(pairs + item / pieces);
+    send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces);
   }
 }
 

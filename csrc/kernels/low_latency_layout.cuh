@@ -287,7 +287,6 @@ struct CombineArgs {
   // The matching dispatch carried routes: the expert side sums each token's rows with the weights it
   // received (topk_weights above is then unused) and sends one fp32 partial per (token, rank).
   bool expert_sums;
-  bool block_publish;               // experiment: the send's stores released once per block
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
@@ -339,14 +338,14 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const Wait
   }
 }
 
-// After the warp has stored a message straight into `pe`'s memory: add 1 to `signal` (symmetric
-// address) there. Warp-collective.
+// After the warp has stored a message straight into `pe`'s memory: add `value` to `signal`
+// (symmetric address) there. Warp-collective.
 // NOTE: the warp barrier orders every lane's stores before lane 0's release, and the release at
 // system scope makes them visible to the peer before the increment: a reader that acquires the
 // word and sees the increment sees the bytes.
-__device__ __forceinline__ void publish_direct(uint64_t* signal, int pe) {
+__device__ __forceinline__ void publish_direct(uint64_t* signal, int pe, uint64_t value = 1) {
   __syncwarp();
-  if (lane_id() == 0) red_add_release_sys(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), 1);
+  if (lane_id() == 0) red_add_release_sys(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), value);
   __syncwarp();
 }
 
