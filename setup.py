@@ -10,6 +10,7 @@ Environment:
     CUDAHOSTCXX                host compiler for nvcc
     EP_PLUGIN_SKIP_CUDA=1      install the pure-Python package only
     MAX_JOBS                   parallel nvcc processes
+    EP_PLUGIN_NVCC_FLAGS       extra nvcc flags, e.g. -DEP_PLUGIN_PHASE_PROFILE (a diagnostic build)
     NVSHMEM_DIR                NVSHMEM (include/, lib/) for `ep_plugin._C_nvshmem`, the low-latency kernels
                                (default: the nvidia-nvshmem-cu13 or -cu12 wheel; without NVSHMEM that module
                                is skipped and everything else builds as before)
@@ -137,6 +138,7 @@ class NvccBuildExt(build_ext):
             nvcc_flags.append("-rdc=true")  # NVSHMEM's device API lives in libnvshmem_device.a
         if os.environ.get("CUDAHOSTCXX"):
             nvcc_flags += ["-ccbin", os.environ["CUDAHOSTCXX"]]
+        nvcc_flags += os.environ.get("EP_PLUGIN_NVCC_FLAGS", "").split()
 
         def compile_cu(source: str) -> str:
             obj = build_temp / (Path(source).stem + ".o")

@@ -14,6 +14,11 @@ test_low_latency.py times its kernels (kineto), so the number to set beside Deep
 The reference backend (not capturable: it reads counts on the host) is timed eagerly, with a
 device sync and a barrier before each call.
 
+Two native variants per point: "native", DeepEP's API (the combine sums each token's top-k bf16
+rows on the token side), and "native_expert_sums", the dispatch also given topk_weights (an
+ep_plugin extension): the combine sums on the expert side and sends one fp32 partial per (token,
+rank). Bandwidth below counts the same messages for both.
+
 Bandwidth, per rank, counted per (token, expert) message received:
     dispatch GB/s = received messages x (H + 4 x ceil(H / 128)) bytes (FP8 row + float scales;
                     2H for bf16) / median time
@@ -62,8 +67,15 @@ def make_inputs(rank: int, T: int, H: int, K: int, E: int, seed: int):
     return x, ids, weights
 
 
-def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool):
-    got = native.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
+def dispatch_kwargs(use_fp8: bool, weights, expert_sums: bool) -> dict:
+    return dict(use_fp8=use_fp8, **({"topk_weights": weights} if expert_sums else {}))
+
+
+def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool,
+                            expert_sums: bool):
+    got = native.low_latency_dispatch(x, ids, T, E, **dispatch_kwargs(use_fp8, weights, expert_sums))
+    if got[2].expert_sums != expert_sums:
+        raise AssertionError(f"expected expert_sums={expert_sums} on this machine, got {got[2].expert_sums}")
     want = reference.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
     if not torch.equal(got[1], want[1]):
         raise AssertionError("recv_count differs from the reference backend")
@@ -78,20 +90,21 @@ def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, 
     return int(want[1].sum())
 
 
-def capture_graphs(native: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool):
+def capture_graphs(native: Buffer, x, ids, weights, T: int, E: int, use_fp8: bool, expert_sums: bool):
     """Dispatch and combine, each captured in its own CUDA graph after a warm-up outside capture."""
+    kwargs = dispatch_kwargs(use_fp8, weights, expert_sums)
     E_local = E // dist.get_world_size(native.group)
     expert_out = torch.randn(E_local, native.group_size * T, x.size(1), device="cuda").to(torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
+        _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, **kwargs)
         native.low_latency_combine(expert_out, ids, weights, handle)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(dispatch_graph):
-        _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, use_fp8=use_fp8)
+        _, _, handle, _, _ = native.low_latency_dispatch(x, ids, T, E, **kwargs)
     with torch.cuda.graph(combine_graph):
         native.low_latency_combine(expert_out, ids, weights, handle)
     return dispatch_graph, combine_graph
@@ -203,20 +216,25 @@ def bench_rank(rank: int, R: int, group, args: argparse.Namespace) -> dict:
     results = []
     for i, T in enumerate(points):
         x, ids, weights = make_inputs(rank, T, H, K, E, args.seed + i)
-        received = check_against_reference(native, reference, x, ids, weights, T, E, use_fp8)
-        graphs = capture_graphs(native, x, ids, weights, T, E, use_fp8)
-        native_times = time_native_graphs(native, graphs, args.replays, args.kernel_replays, not args.no_flush)
+        native_times = {}
+        for variant, expert_sums in (("native", False), ("native_expert_sums", True)):
+            received = check_against_reference(native, reference, x, ids, weights, T, E, use_fp8, expert_sums)
+            graphs = capture_graphs(native, x, ids, weights, T, E, use_fp8, expert_sums)
+            native_times[variant] = time_native_graphs(native, graphs, args.replays, args.kernel_replays,
+                                                       not args.no_flush)
         reference_times = time_reference(reference, x, ids, weights, T, E, use_fp8, args.reference_iters) \
             if args.reference_iters > 0 else {}
         dispatch_msg_bytes = H + scale_bytes if use_fp8 else 2 * H
         results.append({"tokens": T, "received_messages": received,
                         "dispatch_bytes": received * dispatch_msg_bytes, "combine_bytes": received * 2 * H,
-                        "native": {k: summarize(v) for k, v in native_times.items()},
+                        **{variant: {k: summarize(v) for k, v in times.items()}
+                           for variant, times in native_times.items()},
                         "reference": {k: summarize(v) for k, v in reference_times.items()}})
         if rank == 0:
             d, c = results[-1]["native"]["dispatch"], results[-1]["native"]["combine"]
-            print(f"[{i + 1}/{len(points)}] T={T}: dispatch {d['median_us']:.1f} us, combine {c['median_us']:.1f} us",
-                  file=sys.stderr, flush=True)
+            s = results[-1]["native_expert_sums"]["combine"]
+            print(f"[{i + 1}/{len(points)}] T={T}: dispatch {d['median_us']:.1f} us, combine {c['median_us']:.1f} us "
+                  f"(expert sums {s['median_us']:.1f} us)", file=sys.stderr, flush=True)
     torch.cuda.synchronize()
     native.destroy()
     reference.destroy()
@@ -229,7 +247,9 @@ def aggregate(per_rank: List[dict]) -> List[dict]:
     for i, first in enumerate(per_rank[0]["points"]):
         point = {"tokens": first["tokens"],
                  "received_messages_per_rank": [r["points"][i]["received_messages"] for r in per_rank]}
-        for backend in ("native", "reference"):
+        for backend in ("native", "native_expert_sums", "reference"):
+            if backend not in first:
+                continue
             point[backend] = {}
             for op in first[backend]:
                 stats = [r["points"][i][backend][op] for r in per_rank]
@@ -251,13 +271,13 @@ def plot(report: dict, path: str) -> None:
     points = report["points"]
     tokens = [p["tokens"] for p in points]
     fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for backend, style in (("native", "-"), ("reference", ":")):
+    for backend, style in (("native", "-"), ("native_expert_sums", "-."), ("reference", ":")):
         for op, color in (("dispatch", "tab:blue"), ("combine", "tab:orange")):
-            if op not in points[0][backend]:
+            if op not in points[0].get(backend, {}):
                 continue
             median = [p[backend][op]["median_us"] for p in points]
             ax_time.plot(tokens, median, style, color=color, marker="o", label=f"{backend} {op}")
-            if backend == "native":
+            if backend != "reference":
                 ax_time.fill_between(tokens, [p[backend][op]["p10_us"] for p in points],
                                      [p[backend][op]["p90_us"] for p in points], color=color, alpha=0.2)
                 ax_bw.plot(tokens, [p[backend][op]["gbps"] for p in points], color=color, marker="o",
@@ -324,12 +344,15 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for point in report["points"]:
-        for op in ("dispatch", "combine"):
-            n, r = point["native"][op], point["reference"].get(op)
-            kernel = point["native"].get(f"{op}_kernel")
+        for variant, op in (("native", "dispatch"), ("native", "combine"), ("native_expert_sums", "dispatch"),
+                            ("native_expert_sums", "combine")):
+            n, r = point[variant][op], point["reference"].get(op)
+            kernel = point[variant].get(f"{op}_kernel")
+            op = op if variant == "native" else f"{op}*"
             print(f"{point['tokens']:>7} {op:<10} {n['median_us']:>14.1f} {n['p10_us']:>7.1f} {n['p90_us']:>7.1f} "
                   f"{n['gbps']:>8.1f} {kernel['median_us'] if kernel else float('nan'):>10.1f} "
                   f"{r['median_us'] if r else float('nan'):>13.1f}")
+    print("*: the dispatch given topk_weights, the combine summing on the expert side (ep_plugin extension)")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as handle:

@@ -135,7 +135,7 @@ for s in $STAGES; do
       ;;
     ll)
       [ "${LL_TESTS:-1}" = 1 ] && stage tests timeout "${LL_TEST_TIMEOUT:-300}" \
-        python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py -k "not missing_peer"
+        python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py -k "not missing_peer and not disagree"
       stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} \
         --out "$OUT/results_dir/low_latency.json" --plot "$OUT/results_dir/low_latency_tokens.png"
       ;;

@@ -3,6 +3,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -161,6 +162,8 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
                                            << dispatch_per_sm << " dispatch, " << combine_per_sm << " combine)");
 
   memory_.open(rank, num_ranks, num_rdma_bytes, low_latency::kHeaderBytes, unique_id, "a low-latency Buffer");
+  const std::vector<bool> direct = memory_.direct_peers(num_ranks);
+  every_peer_direct_ = std::all_of(direct.begin(), direct.end(), [](bool d) { return d; });
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
 }
 
@@ -229,6 +232,9 @@ void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cud
   EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= low_latency::kMaxTopk,
                "top-k must be in [1, " << low_latency::kMaxTopk << "], got " << args.num_topk);
   EP_CHECK_ARG(!args.use_ue8m0 || (args.use_fp8 && args.round_scale), "use_ue8m0 needs use_fp8 and round_scale");
+  EP_CHECK_ARG(!args.carry_route || expert_sums_allowed(args.layout),
+               "low_latency_dispatch: topk_weights (expert-side sums) needs every peer reachable by NVLink, at most "
+                   << low_latency::kMaxExpertSumRanks << " ranks and T_max * ranks <= " << low_latency::kMaxExperts);
   args.round = low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, parity);
   args.rank = rank_;
   args.num_blocks = num_blocks_;
@@ -254,7 +260,17 @@ void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaS
   args.error_claim = &low_latency::round_pointers(memory_.buffer, num_rdma_bytes_, 0).state->error_claim;
   args.timeout_ns = timeout_ns_;
   args.x_is_staging = reinterpret_cast<uintptr_t>(args.x) == combine_buffer_address(parity, args.layout);
+  EP_CHECK_ARG(!args.expert_sums || expert_sums_allowed(args.layout),
+               "low_latency_combine: expert-side sums need every peer reachable by NVLink");
   low_latency::launch_combine(args, stream);
+}
+
+bool LowLatencyRuntime::expert_sums_allowed(const LowLatencyLayout& layout) const {
+  return every_peer_direct_ && layout.admits_expert_sums();
+}
+
+bool LowLatencyRuntime::supports_expert_sums(int num_max_tokens, int hidden, int num_experts) const {
+  return expert_sums_allowed(LowLatencyLayout{num_max_tokens, hidden, num_ranks_, num_experts});
 }
 
 uintptr_t LowLatencyRuntime::combine_buffer_address(int parity, const LowLatencyLayout& layout) const {
@@ -274,7 +290,17 @@ void LowLatencyRuntime::clean(cudaStream_t stream) {
 std::string LowLatencyRuntime::describe_device_error() const {
   const DeviceStatus& s = *memory_.status_host;
   Text out;
-  if (s.error_code == kErrTimeout) {
+  if (s.error_code == kErrTimeout && s.error_wait_kind == kWaitTokenPartials) {
+    out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
+        << " waited for peer " << s.error_peer << "'s partial sum for token " << s.error_channel << " (warp "
+        << s.error_warp << "); pieces expected " << s.error_expected << ", arrived " << s.error_observed
+        << ". Every rank must make the same sequence of low-latency calls, and call each receive hook.";
+  } else if (s.error_code == kErrRouteMismatch) {
+    out << "rank " << s.error_rank << " got a dispatch from peer " << s.error_peer << " that "
+        << (s.error_observed ? "carried" : "did not carry") << " topk_weights while its own "
+        << (s.error_expected ? "did" : "did not") << ": every rank must pass topk_weights to "
+        << "low_latency_dispatch, or none";
+  } else if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
         << " waited for peer " << s.error_peer << " (expert " << s.error_channel << ", warp " << s.error_warp
         << ") for its messages of that expert; announced count " << s.error_expected << " (-1: none yet), arrived "

@@ -62,6 +62,9 @@ class LowLatencyRuntime {
   // Fill the runtime-owned fields of the Args for round `parity` and launch.
   void dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream);
   void combine(low_latency::CombineArgs args, int parity, cudaStream_t stream);
+  // Whether a dispatch of these sizes may carry topk_weights for expert-side sums: every peer is
+  // reachable by NVLink and the layout admits them (low_latency_layout.cuh).
+  bool supports_expert_sums(int num_max_tokens, int hidden, int num_experts) const;
 
   // Address of round `parity`'s dispatch_recv area: the [E_local, R * T_max, H] bf16 tensor that
   // low_latency_combine(zero_copy=True) sends from.
@@ -80,6 +83,8 @@ class LowLatencyRuntime {
  private:
   void require_alive() const;
   void check_layout(const low_latency::LowLatencyLayout& layout, const char* op) const;
+  // The layout admits expert-side sums and nvshmem_ptr reaches every PE.
+  bool expert_sums_allowed(const low_latency::LowLatencyLayout& layout) const;
   std::string describe_device_error() const;
   void watch_for_device_errors();
 
@@ -88,6 +93,7 @@ class LowLatencyRuntime {
   double timeout_s_;
   uint64_t timeout_ns_;
   SymmetricBuffer memory_;
+  bool every_peer_direct_ = false;  // nvshmem_ptr reaches every PE (set once the buffer is open)
   std::atomic<bool> stop_watchdog_{false};
   std::thread watchdog_;
 };

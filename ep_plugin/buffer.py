@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import validation as V
 from .backends import select_backend
-from .backends.base import Backend, GroupInfo
+from .backends.base import Backend, DispatchRoute, GroupInfo
 from .config import EpConfig, as_config
 from .environment import apply_environment
 from .event import EventHandle, EventOverlap
@@ -435,7 +435,8 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             topk_weights: Optional[torch.Tensor] = None):
         """Send each (token, selected expert) pair into that expert's slot on its rank.
 
         Arguments:
@@ -453,6 +454,15 @@ class Buffer:
             async_finish, return_recv_hook: with the hook, the call only sends; calling
                 `hook()` completes the receive. Not both (as in DeepEP): the receive must be
                 ordered after the send on the stream that calls the hook.
+            topk_weights: optional `[T, K]` float32, the weights the matching `low_latency_combine`
+                will be given (an ep_plugin extension; DeepEP's dispatch has no such argument). The
+                native backend then sends them with the tokens and sums each token's rows on the
+                expert side: the combine moves one fp32 partial per (token, rank) instead of one bf16
+                row per (token, expert), half the bytes at top-8 on 2 ranks. It does so when every
+                peer is reachable by NVLink (at most 16 ranks); otherwise it sums on the token side as
+                usual. Either every rank passes topk_weights or none (a device error says so
+                otherwise), and the combine must get these same topk_idx and topk_weights tensors,
+                unmodified (so no entry can be masked with -1 after such a dispatch).
 
         Returns:
             recv_x: bf16 `[E_local, R * T_max, H]`, or with FP8 a tuple of the fp8 tensor and its
@@ -490,16 +500,24 @@ class Buffer:
                            (torch.int32,), 1, device, (num_experts // self.group_size,))
             if not cumulative_local_expert_recv_stats.is_contiguous():
                 raise ValueError("cumulative_local_expert_recv_stats must be contiguous (it is updated in place)")
+        if topk_weights is not None:
+            V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+            if not topk_weights.is_contiguous():
+                raise ValueError("low_latency_dispatch: topk_weights must be contiguous (the combine must get the "
+                                 "same tensor)")
         self._check_low_latency_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
         if self._settings.check_inputs:
             V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        route_idx = topk_idx  # the caller's tensor: the combine must get this one when topk_weights are given
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         outputs, event = self._run(
             lambda: backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                  cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                                                 use_ue8m0, return_recv_hook),
-            [x, topk_idx, cumulative_local_expert_recv_stats], None, async_finish, False)
+                                                 use_ue8m0, return_recv_hook, topk_weights),
+            [x, topk_idx, cumulative_local_expert_recv_stats, topk_weights], None, async_finish, False)
         recv_x, recv_count, handle, hook = outputs
+        if topk_weights is not None:
+            handle.dispatch_route = DispatchRoute(route_idx, topk_weights, route_idx._version, topk_weights._version)
         return recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -535,6 +553,7 @@ class Buffer:
         V.check_tensor("x", x, (torch.bfloat16,), 3, device, tuple(handle.recv_shape))
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
         V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+        V.check_dispatch_route(handle.dispatch_route, topk_idx, topk_weights)
         if out is not None:
             V.check_tensor("out", out, (torch.bfloat16,), 2, device, (handle.num_tokens, x.size(2)))
             if not out.is_contiguous():

@@ -30,6 +30,8 @@ LL_MAX_TOPK = MAX_TOPK
 LL_MAX_EXPERTS = 65536
 LL_AREA_ALIGN = 128
 LL_HEADER_BYTES = 2 * ((2 * LL_MAX_EXPERTS * 8 + 128 + 4095) // 4096 * 4096)
+LL_ROUTE_BYTES = 2 * 4 * LL_MAX_TOPK               # a payload's route: int32 ids, float weights
+LL_ROUTE_RECORD_BYTES = 16 + 2 * 4 * LL_MAX_TOPK   # RouteRecord: mask (+ padding), weights, rows
 
 # Internode normal mode (csrc/kernels/internode_layout.cuh): a fixed header (notify slots and
 # signal words for 256 nodes, ring counters for 2 kinds x 128 channels x 256 nodes, state), rounded
@@ -203,9 +205,10 @@ def default_combine_config(num_sms: int, num_ranks: int) -> Config:
 
 
 def low_latency_payload_bytes(hidden: int) -> int:
-    """Payload of one low-latency message: the bf16 row, or the FP8 row and its float scales."""
+    """Room for one low-latency payload: the bf16 row, or the FP8 row and its float scales; then the
+    route (top-k ids and weights) that a dispatch given topk_weights adds."""
     fp8 = _align(hidden, 16) + _align(4 * math.ceil(hidden / 128), 16)
-    return max(_align(hidden * 2, 16), fp8)
+    return max(_align(hidden * 2, 16), fp8) + LL_ROUTE_BYTES
 
 
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -218,6 +221,8 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
                            zero-copy buffer)
         combine receive    T_max * 32 bf16 rows (token, top-k slot)
         dispatch send      T_max payloads + T_max * 32 staged index entries (network peers)
+        route table        R * T_max records (a mask, 32 weights, 32 rows) for expert-side sums, then
+                           the pair list (R * T_max int32)
     """
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
@@ -227,4 +232,5 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     dispatch_recv = max(token_recv + recv_index, _align(num_experts * T * hidden * 2, LL_AREA_ALIGN))
     combine_recv = _align(T * LL_MAX_TOPK * hidden * 2, LL_AREA_ALIGN)
     dispatch_send = _align(T * payload, LL_AREA_ALIGN) + _align(T * LL_MAX_TOPK * LL_INDEX_ENTRY_BYTES, LL_AREA_ALIGN)
-    return LL_HEADER_BYTES + 2 * (dispatch_recv + combine_recv + dispatch_send)
+    route_table = _align(num_ranks * T * LL_ROUTE_RECORD_BYTES, LL_AREA_ALIGN) + _align(num_ranks * T * 4, LL_AREA_ALIGN)
+    return LL_HEADER_BYTES + 2 * (dispatch_recv + combine_recv + dispatch_send + route_table)

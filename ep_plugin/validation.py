@@ -65,6 +65,22 @@ def check_hook_without_async(async_finish: bool, return_recv_hook: bool) -> None
                          "receive runs when hook() is called, on the calling stream, after the send")
 
 
+def check_dispatch_route(route, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """A low-latency dispatch given topk_weights (its `DispatchRoute`, or None) binds its combine to the
+    same topk_idx and topk_weights tensors, not modified in place since (version counters unchanged)."""
+    if route is None:
+        return
+    for name, given, sent, version in (("topk_idx", topk_idx, route.topk_idx, route.idx_version),
+                                       ("topk_weights", topk_weights, route.topk_weights, route.weights_version)):
+        if given is not sent:
+            raise ValueError(f"low_latency_combine: the dispatch was given topk_weights, so the combine must be "
+                             f"given the dispatch's own {name} tensor (the weights went ahead with the tokens)")
+        if given._version != version:
+            raise ValueError(f"low_latency_combine: {name} was modified in place after the dispatch that was given "
+                             f"topk_weights (the weights went ahead with the tokens); mask or reweight before the "
+                             f"dispatch")
+
+
 def check_num_experts(num_experts: int, num_ranks: int) -> None:
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")

@@ -8,7 +8,10 @@ every run (EP_TEST_SEED replays one), outputs poisoned before each call. Routing
 (recv_count, statistics) and copied payloads (bf16 rows, FP8 bytes, float and UE8M0 scales) must be
 bit-identical to the reference in every valid slot; combine results are compared with
 assert_close (the same fp32 products and sums in the same k order, so in practice they are equal).
-A separate launch checks the device timeout (it traps the CUDA context).
+The `route_*` cases give the dispatch topk_weights (expert-side sums: one fp32 partial per (token,
+rank), added in rank order on the token side, so the combine is compared with assert_close's bf16
+tolerance). Separate launches check the device timeouts and the device error of ranks that
+disagree on topk_weights (each traps the CUDA context).
 """
 from __future__ import annotations
 
@@ -201,8 +204,9 @@ def expert_outputs(ctx: Ctx, case_id: int, shape, counts: List[int]) -> torch.Te
 def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_MAX, H: int = 7168, K: int = 8,
             E: int = NUM_EXPERTS, routing: str = "random", use_fp8: bool = False, round_scale: bool = False,
             use_ue8m0: bool = False, hook: bool = False, zero_copy: bool = False, use_out: bool = False,
-            stats: bool = True, mask_after: bool = False, empty_ranks: tuple = ()) -> None:
-    """One low_latency_dispatch + low_latency_combine on both backends, compared."""
+            stats: bool = True, mask_after: bool = False, empty_ranks: tuple = (), route: bool = False) -> None:
+    """One low_latency_dispatch + low_latency_combine on both backends, compared. `route`: the dispatch
+    gets topk_weights (expert-side sums)."""
     T = t_max if T is None else T
     if ctx.rank in empty_ranks:
         T = 0
@@ -212,6 +216,8 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
     stats_native = initial.clone() if stats else None
     stats_reference = initial.clone() if stats else None
     kwargs = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    if route:
+        kwargs["topk_weights"] = weights
 
     poison_allocator(256)
     got = ctx.native.low_latency_dispatch(x, ids, t_max, E, cumulative_local_expert_recv_stats=stats_native,
@@ -223,6 +229,7 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
     want = ctx.reference.low_latency_dispatch(x, ids, t_max, E, cumulative_local_expert_recv_stats=stats_reference,
                                               **kwargs)
     compare_dispatch(got, want, use_fp8)
+    assert got[2].expert_sums == route, "2 GPUs on NVLink: expert-side sums exactly when the dispatch has weights"
     if stats:
         assert_same("cumulative_local_expert_recv_stats", stats_native, stats_reference)
 
@@ -233,7 +240,8 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
         native_x = ctx.native.get_next_low_latency_combine_buffer(got[2])
         assert native_x.shape == combine_x.shape and native_x.dtype == torch.bfloat16
         native_x.copy_(combine_x)
-    combine_ids = ids.clone()
+    # After a dispatch given topk_weights the combine must get the dispatch's own ids tensor.
+    combine_ids = ids if route else ids.clone()
     if mask_after:
         combine_ids[torch.rand(ids.shape, generator=ctx.gen(case_id + 9000)).cuda() < 0.4] = -1
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda") if use_out else None
@@ -304,6 +312,71 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
     torch.cuda.synchronize()
 
 
+def route_dispatches_without_combine(ctx: Ctx, case_id: int) -> None:
+    """Dispatches given topk_weights that no combine follows (both rounds, three times) leave nothing
+    behind: the pair list the next combine works from is its own dispatch's."""
+    for i in range(3):
+        x, ids, w = make_inputs(ctx, case_id + i, 40 + 20 * i, 2048, 8, NUM_EXPERTS, "random")
+        got = ctx.native.low_latency_dispatch(x, ids, T_MAX, NUM_EXPERTS, topk_weights=w)
+        assert got[2].expert_sums
+    torch.cuda.synchronize()
+    ll_case(ctx, case_id + 10, route=True, H=2048)
+    ll_case(ctx, case_id + 11, route=True, H=2048, T=T_MAX // 2)
+
+
+def route_graph_replays(ctx: Ctx, case_id: int, replays: int = 200) -> None:
+    """Dispatch with topk_weights (FP8) + combine (expert-side sums) in one CUDA graph, new data each replay."""
+    T, H, K, E = T_MAX, 7168, 8, NUM_EXPERTS
+    x_s, ids_s, w_s = make_inputs(ctx, case_id, T, H, K, E, "random")
+    expert_s = torch.zeros(E // ctx.R, ctx.R * T, H, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        recv, count, handle, _, _ = ctx.native.low_latency_dispatch(x_s, ids_s, T, E, use_fp8=True, topk_weights=w_s)
+        assert handle.expert_sums
+        combined, _, _ = ctx.native.low_latency_combine(expert_s, ids_s, w_s, handle)
+        return recv, count, combined
+
+    graph, (recv_s, count_s, combined_s) = capture_graph(step)
+    for i in range(replays):
+        x, ids, w = make_inputs(ctx, case_id + 1 + i, T, H, K, E, "minus_one" if i % 2 else "random")
+        x_s.copy_(x), ids_s.copy_(ids), w_s.copy_(w)
+        want = ctx.reference.low_latency_dispatch(x, ids, T, E, use_fp8=True)
+        expert_s.copy_(expert_outputs(ctx, case_id + 1 + i, want[2].recv_shape, want[1].tolist()))
+        recv_s[0].view(torch.uint8).fill_(0x7F)
+        count_s.fill_(-1)
+        combined_s.fill_(float("nan"))
+        graph.replay()
+        compare_dispatch((recv_s, count_s), want, True)
+        want_combined, _, _ = ctx.reference.low_latency_combine(expert_s, ids, w, want[2])
+        try:
+            torch.testing.assert_close(combined_s, want_combined)
+        except AssertionError as error:
+            raise AssertionError(f"replay {i}: {error}") from None
+    torch.cuda.synchronize()
+
+
+def route_errors(ctx: Ctx, case_id: int) -> None:
+    """After a dispatch given topk_weights, the combine must get the same topk_idx and topk_weights tensors,
+    unmodified: anything else is rejected before a kernel runs (both backends), then the round completes."""
+    x, ids, w = make_inputs(ctx, case_id, 16, 2048, 4, 64, "random")
+    for buf in (ctx.native, ctx.reference):
+        with pytest.raises(TypeError, match="topk_weights must have dtype"):
+            buf.low_latency_dispatch(x, ids, 16, 64, topk_weights=w.double())
+        with pytest.raises(ValueError, match="topk_weights"):
+            buf.low_latency_dispatch(x, ids, 16, 64, topk_weights=w[:, :2])
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, ids, 16, 64, topk_weights=w)
+        out = torch.randn(handle.recv_shape, device="cuda").to(torch.bfloat16)
+        with pytest.raises(ValueError, match="dispatch's own topk_weights"):
+            buf.low_latency_combine(out, ids, w.clone(), handle)
+        with pytest.raises(ValueError, match="dispatch's own topk_idx"):
+            buf.low_latency_combine(out, ids.clone(), w, handle)
+        w.mul_(1.0)  # in place: the version counter moves
+        with pytest.raises(ValueError, match="topk_weights was modified in place"):
+            buf.low_latency_combine(out, ids, w, handle)
+        handle.dispatch_route = None  # (test only) let the round complete on every rank
+        buf.low_latency_combine(out, ids, w, handle)
+
+
 def clean_then_continue(ctx: Ctx, case_id: int) -> None:
     ctx.native.clean_low_latency_buffer(T_MAX, 7168, NUM_EXPERTS)
     ll_case(ctx, case_id, H=2048, use_fp8=True)
@@ -361,6 +434,24 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "host_errors": lambda: host_errors(ctx, 25),
         "clean_then_continue": lambda: clean_then_continue(ctx, 26),
         "cuda_graph_1000_replays": lambda: cuda_graph_replays(ctx, 27),
+        "route_bf16": lambda: ll_case(ctx, 30, route=True),
+        "route_fp8": lambda: ll_case(ctx, 31, route=True, use_fp8=True),
+        "route_ue8m0_hook": lambda: ll_case(ctx, 32, route=True, use_fp8=True, round_scale=True, use_ue8m0=True,
+                                            hook=True, H=2880),
+        "route_zero_copy_hook_out": lambda: ll_case(ctx, 33, route=True, zero_copy=True, hook=True, use_out=True,
+                                                    H=4096),
+        "route_skewed": lambda: ll_case(ctx, 34, route=True, routing="skewed", use_fp8=True),
+        "route_minus_one": lambda: ll_case(ctx, 35, route=True, routing="minus_one", H=1536),
+        "route_unrouted": lambda: ll_case(ctx, 36, route=True, routing="unrouted", H=2048),
+        "route_zero_tokens_one_rank": lambda: ll_case(ctx, 37, route=True, empty_ranks=(1,), H=2048),
+        "route_fewer_tokens_small_t_max": lambda: ll_case(ctx, 38, route=True, t_max=3, T=1 + ctx.rank, H=2048),
+        "route_topk16": lambda: ll_case(ctx, 39, route=True, K=16, use_fp8=True, H=4096),
+        "route_topk32_small_e": lambda: ll_case(ctx, 40, route=True, K=32, E=64, H=2048),
+        "route_two_rounds": lambda: (ll_case(ctx, 41, route=True, H=2048), ll_case(ctx, 42, H=2048),
+                                     ll_case(ctx, 43, route=True, H=7168, use_fp8=True)),
+        "route_errors": lambda: route_errors(ctx, 44),
+        "route_dispatches_without_combine": lambda: route_dispatches_without_combine(ctx, 46),
+        "route_cuda_graph_200_replays": lambda: route_graph_replays(ctx, 45),
     }
     for i, H in enumerate((2048, 4096, 7168, 1536, 2880)):
         for j, fp8_options in enumerate(({}, dict(use_fp8=True), dict(use_fp8=True, round_scale=True, use_ue8m0=True))):
@@ -376,7 +467,11 @@ def case_names() -> List[str]:
              "topk1", "topk16", "topk32_small_e", "experts8", "two_rounds_in_flight", "host_errors",
              "clean_then_continue"]
     names += [f"hidden{H}_{kind}" for H in (2048, 4096, 7168, 1536, 2880) for kind in ("bf16", "fp8", "ue8m0")]
-    return names + ["cuda_graph_1000_replays"]
+    names += ["cuda_graph_1000_replays", "route_bf16", "route_fp8", "route_ue8m0_hook", "route_zero_copy_hook_out",
+              "route_skewed", "route_minus_one", "route_unrouted", "route_zero_tokens_one_rank",
+              "route_fewer_tokens_small_t_max", "route_topk16", "route_topk32_small_e", "route_two_rounds",
+              "route_errors", "route_dispatches_without_combine"]
+    return names + ["route_cuda_graph_200_replays"]
 
 
 CASE_NAMES = case_names()
@@ -408,8 +503,9 @@ def test_native_low_latency(launch, case):
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0)
     x, ids, w = make_inputs(ctx, 1, 32, 2048, 4, 64, "random")
-    if op == "combine":
-        _, count, handle, _, _ = ctx.native.low_latency_dispatch(x, ids, 32, 64)
+    if op.startswith("combine"):
+        route = dict(topk_weights=w) if op == "combine_expert_sums" else {}
+        _, count, handle, _, _ = ctx.native.low_latency_dispatch(x, ids, 32, 64, **route)
         torch.cuda.synchronize()
     if rank == 1:
         time.sleep(8)  # never joins (rank 0 times out after 3 s)
@@ -433,9 +529,38 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
 
 
 @needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
-@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_expert_sums"])
 def test_missing_peer_times_out_with_rank_peer_and_expert(op):
     results = parallel_launch(RANKS, missing_peer_rank, op, timeout_s=120)
     assert results[1] == "absent"
     message = results[0]
-    assert "timeout" in message and "rank 0" in message and "peer 1" in message and "expert" in message, message
+    what = "partial sum for token" if op == "combine_expert_sums" else "expert"
+    assert "timeout" in message and "rank 0" in message and "peer 1" in message and what in message, message
+
+
+# ---- ranks that disagree on topk_weights: a device error naming rank and peer -------------------------
+def disagreeing_rank(rank: int, R: int, group) -> str:
+    ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0)
+    x, ids, w = make_inputs(ctx, 1, 32, 2048, 4, 64, "random")
+    route = dict(topk_weights=w) if rank == 0 else {}
+    try:
+        ctx.native.low_latency_dispatch(x, ids, 32, 64, **route)
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - the message is the point of the test
+        message = str(error)
+        if "topk_weights" not in message:  # the CUDA error surfaced first: ask the runtime
+            try:
+                ctx.native._backend._ll.check_device_error()
+            except Exception as detail:  # noqa: BLE001
+                message = str(detail)
+        finish_rank(message)  # the context is stopped: end before any tensor is freed
+    return "no error"
+
+
+@needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
+def test_ranks_that_disagree_on_topk_weights_get_a_device_error():
+    results = parallel_launch(RANKS, disagreeing_rank, timeout_s=120)
+    assert "rank 0 got a dispatch from peer 1 that did not carry topk_weights while its own did" in results[0], \
+        results[0]
+    assert "rank 1 got a dispatch from peer 0 that carried topk_weights while its own did not" in results[1], \
+        results[1]

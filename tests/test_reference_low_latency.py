@@ -361,6 +361,32 @@ def case_bad_inputs(ctx: Ctx) -> None:
     assert combined.shape == (3, 64)
 
 
+def case_dispatch_weights_bind_the_combine(ctx: Ctx) -> None:
+    """topk_weights given to the dispatch: the same result as without; the combine must then get the
+    dispatch's own topk_idx and topk_weights tensors, unmodified (checked before anything runs)."""
+    dev, buf = ctx.device, ctx.buffer
+    gen = torch.Generator().manual_seed(ctx.seed + ctx.rank)
+    num_experts = 2 * ctx.num_ranks
+    topk = torch.tensor([[0, 1], [num_experts - 1, -1], [2, 3]], device=dev)
+    x = random_bf16(gen, 3, 64).to(dev)
+    weights = torch.rand(3, 2, generator=gen).to(dev)
+    plain = buf.low_latency_dispatch(x, topk, 8, num_experts, use_fp8=False)
+    routed = buf.low_latency_dispatch(x, topk, 8, num_experts, use_fp8=False, topk_weights=weights)
+    assert_equal("recv_x", routed[0], plain[0])
+    expert_out = random_bf16(gen, *plain[0].shape).to(dev)
+    want = buf.low_latency_combine(expert_out, topk, weights, plain[2])[0]
+    with pytest.raises(TypeError, match="topk_weights must have dtype"):
+        buf.low_latency_dispatch(x, topk, 8, num_experts, topk_weights=weights.double())
+    with pytest.raises(ValueError, match="dispatch's own topk_weights"):
+        buf.low_latency_combine(expert_out, topk, weights.clone(), routed[2])
+    with pytest.raises(ValueError, match="dispatch's own topk_idx"):
+        buf.low_latency_combine(expert_out, topk.clone(), weights, routed[2])
+    assert_equal("combined", buf.low_latency_combine(expert_out, topk, weights, routed[2])[0], want)
+    weights.mul_(1.0)
+    with pytest.raises(ValueError, match="topk_weights was modified in place"):
+        buf.low_latency_combine(expert_out, topk, weights, routed[2])
+
+
 def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
     num_ranks = ctx.num_ranks
     return {
@@ -381,12 +407,14 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "no_stats_repeated": lambda: ll_round(ctx, 12, stats=False, repeats=2),
         "stats_accumulate": lambda: ll_round(ctx, 13, repeats=3, use_fp8=True, round_scale=True, use_ue8m0=True),
         "bad_inputs": lambda: case_bad_inputs(ctx),
+        "dispatch_weights_bind_the_combine": lambda: case_dispatch_weights_bind_the_combine(ctx),
     }
 
 
 CASES = ("bf16_hook_out", "fp8_float_scales", "fp8_round_scale", "fp8_ue8m0", "zero_copy_bf16",
          "zero_copy_fp8_out", "rank_with_zero_tokens", "zero_tokens_everywhere", "full_t_max",
-         "all_to_one_expert", "masked_after_dispatch", "no_stats_repeated", "stats_accumulate", "bad_inputs")
+         "all_to_one_expert", "masked_after_dispatch", "no_stats_repeated", "stats_accumulate", "bad_inputs",
+         "dispatch_weights_bind_the_combine")
 
 
 def low_latency_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:

@@ -14,6 +14,7 @@ enum ErrorCode : int32_t {
   kErrTimeout = 1,
   kErrBadExpertId = 2,
   kErrTooManyRecvTokens = 3,
+  kErrRouteMismatch = 4,  // low-latency dispatch: ranks disagree on carrying topk_weights
 };
 
 enum OpCode : int32_t {
@@ -36,6 +37,7 @@ enum WaitKind : int32_t {
   kWaitExpertMessages = 5,  // low-latency receiver: the peer's messages (or count) for an expert
   kWaitStagedRows = 6,      // copy-engine combine, owner: a piece of the peer's rows has not landed
   kWaitStagingFree = 7,     // copy-engine combine, sender: the peer still reads its staging area
+  kWaitTokenPartials = 8,   // low-latency combine with expert-side sums: a peer's partial for a token
 };
 
 struct DeviceStatus {

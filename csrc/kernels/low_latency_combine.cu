@@ -4,17 +4,26 @@
 // Send (the expert side; block b: local experts b, b + B, ...): for each source rank, announce how
 // many row pieces this expert returns to it (an expert with few rows splits each into pieces so
 // that all warps work); then warps send each filled slot's row of x, piece by piece, to row
-// (token * kMaxTopk + k) of the source's combine_recv area and add 1 per piece to the source's
-// signal word of this expert (stores + release over NVLink; put-with-signal over the network, from
-// this round's dispatch_recv area used as staging, or straight from it with zero_copy).
+// (token * kMaxTopk + k) of the source's combine_recv area; each piece adds 1 to the source's signal
+// word of this expert (over NVLink: stores, then one release per block and expert; over the network:
+// put-with-signal from this round's dispatch_recv area used as staging, or straight from it with
+// zero_copy).
 // Receive (the token side; block b: tokens b, b + B, ...): one lane per top-k entry waits until
 // the word of its expert is complete, then all threads reduce the token's rows in k order. The last
 // block to finish waits for every word of the round (each expert announces a count, also of 0) and
 // resets them.
+//
+// Expert-side sums (the dispatch carried routes, see low_latency_layout.cuh): the expert side sends,
+// for each (source, token) pair it received, one fp32 partial: the sum over the token's columns
+// here, in k order, of weight * row. Every warp of the grid takes (pair, piece) items; each piece
+// adds 1 to the source's word of (token, this rank), and piece 0 announces how many there are. The
+// token side waits for the partial of every rank holding one of its experts and adds them in rank
+// order. The weights are the ones the dispatch carried.
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
+#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -31,8 +40,9 @@ __device__ __forceinline__ int row_pieces(int num_rows, int row_units) {
 }
 
 // Sends piece `piece` of `pieces` of slot `slot` of local expert `local` back to where dispatch got
-// it from. Warp-collective.
-__device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces) {
+// it from: to an NVLink peer, counted in pieces_to[src] for the block to publish; to a network peer,
+// with a put-with-signal. Warp-collective.
+__device__ void send_row_piece(const CombineArgs& a, int local, int slot, int piece, int pieces, uint32_t* pieces_to) {
   const LowLatencyLayout& layout = a.layout;
   const int64_t row_bytes = layout.row_bytes();
   const int64_t row_units = row_bytes / 16;
@@ -48,7 +58,7 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   uint8_t* peer_dst = static_cast<uint8_t*>(nvshmem_ptr(dst, src));
   if (peer_dst != nullptr) {
     warp_copy_bytes<Load::kReadOnly>(peer_dst, row, bytes);
-    publish_direct(signal, src);
+    if (lane_id() == 0) atomicAdd(pieces_to + src, 1u);  // published by the block (combine_send)
   } else {
     // A network peer: the put needs a symmetric source. This round's dispatch_recv area, viewed as
     // [E_local][R * T_max][H] bf16, is free once the dispatch's receive has copied it out (with
@@ -59,7 +69,14 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   }
 }
 
+// NVLink peers get their arrivals once per expert: after the block's stores, one barrier, then one
+// thread fences at system scope and adds each source's pieces with relaxed reds (a fence followed by
+// writes in program order is a release of every store the barrier ordered before it). One release
+// per warp and piece cost about 3 us more at 128 tokens (2x H200).
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 __device__ void combine_send(const CombineArgs& a) {
+  __shared__ uint32_t pieces_to[kMaxRanks];
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
@@ -73,11 +90,131 @@ __device__ void combine_send(const CombineArgs& a) {
     if (warp == kWarps - 1) {
       for (int src = lane; src < num_ranks; src += 32)
         announce_count(a.round.combine_signals + a.rank * num_local + local,
-                       static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces, src);
+                       count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
+    for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
+    __syncthreads();
     // Warps take (slot, piece) items in turn.
     for (int item = warp; item < total * pieces; item += kWarps)
-      send_row_piece(a, local, item / pieces, item % pieces, pieces);
+      send_row_piece(a, local, item / pieces, item % pieces, pieces, pieces_to);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_sys();
+      for (int src = 0; src < num_ranks; ++src)
+        if (pieces_to[src] != 0)
+          red_add_relaxed_sys(static_cast<uint64_t*>(nvshmem_ptr(a.round.combine_signals + a.rank * num_local + local, src)),
+                              pieces_to[src]);
+    }
+  }
+}
+
+// ---- send, expert-side sums -----------------------------------------------------------------------
+// Work items are (pair, piece): the dispatch's receive listed every (source, token) pair received
+// here; each partial is cut into pieces so that every warp of the grid has about one item, whatever
+// the token count (one warp per partial paid one memory latency per 32 units, one after another).
+// A lane sums quads (4 channels: 8 bytes of each bf16 row in, 16 bytes of fp32 out), so that each
+// store instruction of a warp writes 512 contiguous bytes into the peer: NVLink moves whole lines.
+constexpr int kSumBatch = 8;   // columns loaded before the first is summed
+constexpr int kSumQuads = 4;   // quads per lane and step: kSumBatch * kSumQuads loads in flight
+constexpr int kMaxPartialPieces = 32;
+
+__device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a, int src, int token) {
+  return reinterpret_cast<const RouteRecord*>(a.round.data + a.layout.route_table_offset()) +
+         static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
+}
+
+// Pieces per partial: about one item per warp of the grid, each at least one quad per lane.
+__device__ __forceinline__ int partial_pieces(int num_pairs, int num_quads, int num_warps) {
+  const int wanted = num_pairs > 0 ? (num_warps + num_pairs - 1) / num_pairs : 1;
+  return max(1, min(min(wanted, kMaxPartialPieces), num_quads / 32));
+}
+
+// acc[q][0..4) += the weighted sum, in k order, of quads quad[q] (-1: none) of the rows of the
+// columns in `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the reference
+// computes. NOTE: a batch's rows are loaded before any is summed; the sum stays in k order.
+__device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask,
+                                            const int (&quad)[kSumQuads], float (&acc)[kSumQuads][4]) {
+  const int64_t row_bytes = a.layout.row_bytes();
+  while (mask != 0) {
+    int2 packed[kSumBatch][kSumQuads];
+    float weight[kSumBatch];
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (mask == 0) break;
+      const int k = __ffs(mask) - 1;
+      mask &= mask - 1;
+      weight[j] = __ldg(record->weights + k);
+      const int2* row = reinterpret_cast<const int2*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
+#pragma unroll
+      for (int q = 0; q < kSumQuads; ++q)
+        if (quad[q] >= 0) packed[j][q] = ld_nc_v2(row + quad[q]);
+      n = j + 1;
+    }
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (j >= n) break;
+#pragma unroll
+      for (int q = 0; q < kSumQuads; ++q) {
+        if (quad[q] < 0) continue;
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j][q]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float2 f = __bfloat1622float2(pairs[i]);
+          acc[q][2 * i] = __fadd_rn(acc[q][2 * i], __fmul_rn(weight[j], f.x));
+          acc[q][2 * i + 1] = __fadd_rn(acc[q][2 * i + 1], __fmul_rn(weight[j], f.y));
+        }
+      }
+    }
+  }
+}
+
+// Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
+// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
+// also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
+// expert-side sums only then).
+__device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces) {
+  const LowLatencyLayout& layout = a.layout;
+  const RouteRecord* record = route_record(a, src, token);
+  const uint32_t mask = __ldg(&record->local_mask);
+  const int num_quads = layout.hidden / 4;
+  const int first_quad = piece * num_quads / pieces, end_quad = (piece + 1) * num_quads / pieces;
+  const int64_t partial_row = static_cast<int64_t>(token) * layout.num_ranks + a.rank;
+  uint8_t* dst = a.round.data + layout.combine_recv_offset() + partial_row * 4 * layout.hidden;  // symmetric
+  int4* peer_dst = static_cast<int4*>(nvshmem_ptr(dst, src));
+  for (int base = first_quad; base < end_quad; base += 32 * kSumQuads) {
+    int quad[kSumQuads];
+    float acc[kSumQuads][4];
+#pragma unroll
+    for (int q = 0; q < kSumQuads; ++q) {
+      const int candidate = base + q * 32 + lane_id();
+      quad[q] = candidate < end_quad ? candidate : -1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+    }
+    sum_columns(a, record, mask, quad, acc);
+#pragma unroll
+    for (int q = 0; q < kSumQuads; ++q) {
+      if (quad[q] < 0) continue;
+      st_na_v4(peer_dst + quad[q], make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
+                                             __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
+    }
+  }
+  publish_direct(a.round.combine_signals + partial_row, src,
+                 piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1);
+}
+
+// Every warp of the grid takes (pair, piece) items in turn.
+__device__ void combine_send_sums(const CombineArgs& a) {
+  const LowLatencyLayout& layout = a.layout;
+  // Written by the dispatch's receive, an earlier kernel.
+  const int num_pairs = static_cast<int>(ld_volatile_u32(&a.round.state->listed_pairs));
+  const int num_warps = a.num_blocks * kWarps;
+  const int pieces = partial_pieces(num_pairs, layout.hidden / 4, num_warps);
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
+  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
+    const int pair = __ldg(pairs + item / pieces);
+    send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces);
   }
 }
 
@@ -150,8 +287,10 @@ __device__ void combine_recv(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
+    if (token == blockIdx.x) EP_PHASE_MARK(2);
     reduce_token(a, token);
   }
+  EP_PHASE_MARK(3);
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
   // for every word first: an expert that returns nothing still announces 0, and that addition must
@@ -175,11 +314,115 @@ __device__ void combine_recv(const CombineArgs& a) {
     st_volatile_u64(word, 0);
   }
   if (threadIdx.x == 0) a.round.state->combine_blocks_done = 0;
+  EP_PHASE_MARK(4);
+}
+
+// ---- receive, expert-side sums --------------------------------------------------------------------
+// Spins (one thread) until the word of a token's partial from `peer` is complete (piece count
+// announced, that many pieces arrived); through Deadline past timeout_s.
+__device__ __forceinline__ void wait_partial(const uint64_t* word, const WaitSite& site, int peer) {
+  Deadline deadline(site);
+  while (true) {
+    const uint64_t value = ld_acquire_sys(word);
+    if (signal_complete(value)) return;
+    const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
+    deadline.check(kWaitTokenPartials, peer, expected, signal_arrived(value));
+  }
+}
+
+// Block b: tokens b, b + B, ...: out[token] = the partials of the ranks holding its experts, added in
+// rank order in fp32, rounded to bf16. The waiting lane resets its word (its only reader).
+constexpr int kRecvBatch = 4;  // ranks' partials loaded before the first is added
+
+__device__ void combine_recv_sums(const CombineArgs& a) {
+  __shared__ uint32_t token_ranks;
+  const LowLatencyLayout& layout = a.layout;
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int num_ranks = layout.num_ranks, num_local = layout.num_local_experts();
+  const int num_quads = layout.hidden / 4;
+  for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
+    if (warp == 0) {
+      uint32_t rank_bit = 0;
+      if (lane < a.num_topk) {
+        const int64_t id = __ldg(a.topk_idx + static_cast<int64_t>(token) * a.num_topk + lane);
+        if (id >= 0 && id < layout.num_experts) rank_bit = 1u << (id / num_local);
+      }
+      const uint32_t ranks = __reduce_or_sync(0xffffffffu, rank_bit);
+      if (lane < num_ranks && (ranks >> lane & 1u)) {
+        uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
+        const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
+        wait_partial(word, site, lane);
+        // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
+        // after this kernel ended (as for the per-expert words).
+        st_volatile_u64(word, 0);
+      }
+      if (lane == 0) token_ranks = ranks;
+    }
+    // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
+    // loads below (L2 only: ld.cg).
+    __syncthreads();
+    if (token == blockIdx.x) EP_PHASE_MARK(2);
+    const uint32_t ranks = token_ranks;
+    const int4* partials = reinterpret_cast<const int4*>(a.round.data + layout.combine_recv_offset() +
+                                                         static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
+    int2* out = reinterpret_cast<int2*>(static_cast<uint8_t*>(a.out) + token * layout.row_bytes());
+    for (int quad = threadIdx.x; quad < num_quads; quad += kThreads) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (uint32_t left = ranks; left != 0;) {
+        // A batch of ranks' partials loaded before the first is added; the sum stays in rank order.
+        int4 batch[kRecvBatch];
+        int n = 0;
+#pragma unroll
+        for (int j = 0; j < kRecvBatch; ++j) {
+          if (left == 0) break;
+          batch[j] = ld_cg_v4(partials + static_cast<int64_t>(__ffs(left) - 1) * num_quads + quad);
+          left &= left - 1;
+          n = j + 1;
+        }
+#pragma unroll
+        for (int j = 0; j < kRecvBatch; ++j) {
+          if (j >= n) break;
+          acc[0] = __fadd_rn(acc[0], __int_as_float(batch[j].x));
+          acc[1] = __fadd_rn(acc[1], __int_as_float(batch[j].y));
+          acc[2] = __fadd_rn(acc[2], __int_as_float(batch[j].z));
+          acc[3] = __fadd_rn(acc[3], __int_as_float(batch[j].w));
+        }
+      }
+      int2 packed;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+      pairs[0] = __floats2bfloat162_rn(acc[0], acc[1]);
+      pairs[1] = __floats2bfloat162_rn(acc[2], acc[3]);
+      out[quad] = packed;
+    }
+    __syncthreads();  // token_ranks is rewritten for the next token
+  }
+  EP_PHASE_MARK(3);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
-  if (args.phases & kPhaseSend) combine_send(args);
-  if (args.phases & kPhaseRecv) combine_recv(args);
+  EP_PHASE_MARK(0);
+  if (args.phases & kPhaseSend) {
+    if (args.expert_sums) {
+      combine_send_sums(args);
+    } else {
+      combine_send(args);
+    }
+    EP_PHASE_SYNC();
+    EP_PHASE_MARK(1);
+  }
+  if (args.phases & kPhaseRecv) {
+    if (args.expert_sums) {
+      combine_recv_sums(args);
+    } else {
+      combine_recv(args);
+    }
+  }
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  EP_PHASE_MARK(5);
+  const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
+  const char* kernel = args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv";
+  phase_report(args.expert_sums ? "combine_expert_sums" : kernel, args.rank, args.num_tokens, names);
+#endif
 }
 
 }  // namespace

@@ -22,6 +22,9 @@
 //   in turn, copy each slot's payload into recv_x / recv_scales and record where it came from (for
 //   combine).
 //
+// With topk_weights (expert-side sums, see low_latency_layout.cuh) each payload also carries the
+// token's route (ids, weights), the counts say so (kRouteBit), and the receive fills route_table.
+//
 // Without a hook both phases run in one launch (every block resident: num_blocks <= SMs), so a
 // block only waits after it has sent everything it owns.
 #include <cuda_bf16.h>
@@ -29,6 +32,7 @@
 
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
+#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -119,6 +123,19 @@ __device__ void cast_token_fp8(const DispatchArgs& a, int token, uint8_t* payloa
   }
 }
 
+// The route after the row: the token's top-k ids (int32, -1 where not routed) and weights.
+// The send group; threads [0, num_topk).
+__device__ void write_route(const DispatchArgs& a, int token, uint8_t* payload) {
+  const int k = static_cast<int>(threadIdx.x);
+  if (k >= a.num_topk) return;
+  int32_t* ids = reinterpret_cast<int32_t*>(payload + a.layout.route_offset(a.use_fp8));
+  float* weights = reinterpret_cast<float*>(ids + kMaxTopk);
+  const int64_t entry = static_cast<int64_t>(token) * a.num_topk + k;
+  const int64_t id = __ldg(a.topk_idx + entry);
+  ids[k] = id >= 0 && id < a.layout.num_experts ? static_cast<int32_t>(id) : -1;
+  weights[k] = __ldg(a.topk_weights + entry);
+}
+
 __device__ void copy_token_bf16(const DispatchArgs& a, int token, uint8_t* payload) {
   const int4* row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + token * a.layout.row_bytes());
   int4* out = reinterpret_cast<int4*>(payload);
@@ -159,7 +176,7 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
       const int count = min(counts[j], layout.num_max_tokens);
       const int dst = expert / num_local, local = expert % num_local;
       announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
-                     static_cast<uint32_t>(count), dst);
+                     count_signal(static_cast<uint32_t>(count), a.carry_route), dst);
     }
     sync_threads(kCountBarrier, kCountThreads);  // counts[] is zeroed again by the next pass
   }
@@ -227,7 +244,7 @@ __device__ void send_token_to_rank(const DispatchArgs& a, const uint8_t* payload
   const int32_t entry = token * kMaxTopk + k;
   uint8_t* index_entry = round_data + layout.recv_index_offset(local, a.rank, slot);
   uint64_t* signal = a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank;
-  const int64_t payload_bytes = layout.used_payload_bytes(a.use_fp8);
+  const int64_t payload_bytes = layout.used_payload_bytes(a.use_fp8, a.carry_route);
   uint8_t* peer_base = static_cast<uint8_t*>(nvshmem_ptr(round_data, dst));
   if (peer_base != nullptr) {
     if (dst != a.rank)
@@ -288,6 +305,7 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       } else {
         copy_token_bf16(a, token, payload);
       }
+      if (a.carry_route) write_route(a, token, payload);
     }
     sync_threads(kSendBarrier, kSendThreads);
     count_earlier_selections(a, step, step_experts, step_slots);
@@ -313,6 +331,30 @@ __device__ void dispatch_send(const DispatchArgs& a) {
 }
 
 // ---- receive ------------------------------------------------------------------------------------
+// Expert-side sums: enters message (src, token, column k) into the token's RouteRecord: its row; and,
+// from the message of the token's first column here, the mask of its columns here and the weights.
+// Warp-collective.
+__device__ void record_route(const DispatchArgs& a, int src, int token, int k, int32_t row, const uint8_t* payload) {
+  const LowLatencyLayout& layout = a.layout;
+  const int lane = lane_id();
+  const int32_t* ids = reinterpret_cast<const int32_t*>(payload + layout.route_offset(a.use_fp8));
+  const float* weights = reinterpret_cast<const float*>(ids + kMaxTopk);
+  int id = -1;
+  if (lane < a.num_topk) id = ld_cg_s32(ids + lane);
+  const uint32_t local_mask = __ballot_sync(0xffffffffu, id >= 0 && id / layout.num_local_experts() == a.rank);
+  RouteRecord* record = reinterpret_cast<RouteRecord*>(a.round.data + layout.route_table_offset()) +
+                        static_cast<int64_t>(src) * layout.num_max_tokens + token;
+  if (lane == 0) record->rows[k] = row;
+  if (__ffs(local_mask) - 1 != k) return;
+  if (lane == 0) {
+    record->local_mask = local_mask;
+    // The combine's send takes its work from this list (RoundState::num_pairs entries).
+    const uint32_t position = atomicAdd(&a.round.state->num_pairs, 1u);
+    reinterpret_cast<int32_t*>(a.round.data + layout.pair_list_offset())[position] = src * layout.num_max_tokens + token;
+  }
+  if (lane < a.num_topk) record->weights[lane] = ld_cg_f32(weights + lane);
+}
+
 // Copies the message at position `index` of region (local, src) into slot `slot` of the outputs.
 // Warp-collective.
 __device__ void unpack_message(const DispatchArgs& a, int local, int src, int index, int slot) {
@@ -326,6 +368,7 @@ __device__ void unpack_message(const DispatchArgs& a, int local, int src, int in
   const uint8_t* payload = a.round.data + (src == a.rank ? layout.token_payloads_offset() + token * layout.payload_bytes()
                                                          : layout.token_recv_offset(src, token));
   if (lane == 0) a.recv_src_info[row] = (src << kSourceRowBits) | entry;
+  if (a.carry_route) record_route(a, src, token, entry % kMaxTopk, static_cast<int32_t>(row), payload);
   if (!a.use_fp8) {
     warp_copy_bytes<Load::kL2Only>(static_cast<uint8_t*>(a.recv_x) + row * layout.row_bytes(), payload,
                                    layout.row_bytes());
@@ -359,6 +402,14 @@ __device__ void unpack_message(const DispatchArgs& a, int local, int src, int in
   }
 }
 
+// One lane: source `src` carried routes and this rank not, or the reverse. The combine could not
+// agree on its protocol: report and stop.
+__device__ void report_route_mismatch(const DispatchArgs& a, int src, int expert, uint64_t word) {
+  record_error(a.status, a.error_claim, kErrRouteMismatch, kOpLowLatencyDispatch, 0, a.rank, src, expert,
+               static_cast<int>(threadIdx.x / 32), a.carry_route, signal_has_route(word));
+  asm volatile("trap;");
+}
+
 // The source whose region holds `slot`: the last one that begins at or before it (an empty
 // region begins where the next one does, so the last such region is never empty).
 __device__ __forceinline__ int region_of_slot(const int* region_begin, int num_ranks, int slot) {
@@ -368,6 +419,22 @@ __device__ __forceinline__ int region_of_slot(const int* region_begin, int num_r
     if (region_begin[mid] <= slot) low = mid; else high = mid - 1;
   }
   return low;
+}
+
+// Expert-side sums: once every block has appended its pairs, the last one publishes their count for
+// the combine and resets the counters. Called by every thread of every receive block.
+// NOTE: fences around the counter: every block's appends happen before its increment, and the last
+// block reads num_pairs after it has seen every increment.
+__device__ void publish_pair_count(const DispatchArgs& a) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  RoundState* state = a.round.state;
+  __threadfence();
+  if (atomicAdd(&state->dispatch_blocks_done, 1u) != static_cast<uint32_t>(a.num_blocks - 1)) return;
+  __threadfence();
+  state->listed_pairs = ld_volatile_u32(&state->num_pairs);
+  state->num_pairs = 0;
+  state->dispatch_blocks_done = 0;
 }
 
 __device__ void dispatch_recv(const DispatchArgs& a) {
@@ -387,7 +454,9 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
         int count = 0;
         if (src < num_ranks) {
           uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
-          count = static_cast<int>(signal_expected(wait_signal(word, site, src)));
+          const uint64_t value = wait_signal(word, site, src);
+          count = static_cast<int>(signal_expected(value));
+          if (signal_has_route(value) != (a.carry_route)) report_route_mismatch(a, src, expert, value);
           // NOTE: reset once consumed. The sender adds to this word again only in the dispatch two
           // rounds later, which it issues after its combine of this round has received from this
           // rank, i.e. causally after this kernel ended.
@@ -424,11 +493,23 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
     }
     __syncthreads();  // the tables are rewritten for the next expert
   }
+  if (a.carry_route) publish_pair_count(a);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
-  if (args.phases & kPhaseSend) dispatch_send(args);
+  EP_PHASE_MARK(0);
+  if (args.phases & kPhaseSend) {
+    dispatch_send(args);
+    EP_PHASE_SYNC();
+    EP_PHASE_MARK(1);
+  }
   if (args.phases & kPhaseRecv) dispatch_recv(args);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  EP_PHASE_MARK(3);
+  const char* names[] = {"start", "sent", "first_wait", "end", nullptr, nullptr};
+  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "dispatch" : args.phases == kPhaseSend ? "dispatch_send" : "dispatch_recv",
+               args.rank, args.num_tokens, names);
+#endif
 }
 
 }  // namespace

@@ -24,6 +24,18 @@
 //   dispatch_send  [T_max] token payloads (cast once; NVLink peers copy from here), then
 //                  [T_max][kMaxTopk] int32 index entries staged for peers reached over the network
 //                  (a put needs its source in symmetric memory)
+//   route_table    [R][T_max] RouteRecord: with expert-side sums (topk_weights given to the dispatch),
+//                  what the combine needs of each (source rank, token) received here: the mask of its
+//                  top-k columns whose experts live here, their weights and their rows in recv_x.
+//                  Written by the dispatch's receive, read by the combine's send (never by a peer).
+//                  Then the pair list: [R * T_max] int32 src * T_max + token, one per pair received,
+//                  RoundState::listed_pairs of them (appended by the dispatch's receive).
+//
+// Expert-side sums (the dispatch was given topk_weights; every peer reachable by NVLink): a token's
+// payload also carries its top-k ids and weights (the route, kRouteBytes). The combine then sums, on
+// the expert side, each token's rows of the experts there (fp32, k order) and sends one fp32 partial
+// per (token, rank) into combine_recv, viewed as [T_max][R] rows of 4H bytes; the token side adds the
+// partials in rank order. Top-8 of 256 experts on 2 ranks: 128 tokens move 3.7 MB instead of 7.3 MB.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +55,8 @@ constexpr int kFp8BlockSize = 128;    // channels per FP8 scale
 constexpr int kThreads = 512;         // threads of every low-latency kernel block
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kAreaAlign = 128;
+constexpr int kRouteBytes = 2 * kMaxTopk * 4;  // a payload's route: int32 expert ids, then float weights
+constexpr int kMaxExpertSumRanks = kMaxTopk / 2;  // [T_max][R] fp32 partials fit combine_recv
 
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 
@@ -50,7 +64,13 @@ enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 struct RoundState {
   uint32_t combine_blocks_done;  // combine receive blocks that have read every signal they need
   int32_t error_claim;           // round 0's: the first device error of this PE claims it
-  uint32_t reserved[30];
+  // Expert-side sums: the dispatch's receive appends to the pair list, counting on num_pairs; its
+  // last block publishes the count in listed_pairs (what the combine reads) and resets the rest, so a
+  // dispatch that no combine follows leaves nothing behind.
+  uint32_t num_pairs;
+  uint32_t listed_pairs;
+  uint32_t dispatch_blocks_done;
+  uint32_t reserved[27];
 };
 static_assert(sizeof(RoundState) == 128, "RoundState must stay 128 bytes");
 
@@ -68,13 +88,26 @@ constexpr int64_t kHeaderBytes = 2 * kRoundHeaderBytes;
 // additions commute, so the word is complete exactly when the finish bit is set and the arrivals
 // equal the announced count. The receiver resets the word to 0 once it has consumed the round.
 constexpr uint64_t kFinishBit = 1ull << 63;
+// Dispatch words only: set in a count announcement when the sender's payloads carry routes. Every
+// rank must agree (the receiver checks), since the combine's protocol follows from it.
+constexpr uint64_t kRouteBit = 1ull << 62;
 
-__host__ __device__ constexpr uint64_t count_signal(uint32_t count) {
-  return kFinishBit | (static_cast<uint64_t>(count) << 32);
+__host__ __device__ constexpr uint64_t count_signal(uint32_t count, bool route = false) {
+  return kFinishBit | (route ? kRouteBit : 0) | (static_cast<uint64_t>(count) << 32);
 }
 __host__ __device__ constexpr uint32_t signal_expected(uint64_t word) {
-  return static_cast<uint32_t>(word >> 32) & 0x7fffffffu;
+  return static_cast<uint32_t>(word >> 32) & 0x3fffffffu;
 }
+__host__ __device__ constexpr bool signal_has_route(uint64_t word) { return (word & kRouteBit) != 0; }
+
+// What the combine's send needs of one (source rank, token) with expert-side sums.
+struct RouteRecord {
+  uint32_t local_mask;       // bit k: column k's expert lives on this rank
+  uint32_t reserved[3];
+  float weights[kMaxTopk];   // the token's top-k weights (all columns)
+  int32_t rows[kMaxTopk];    // column k's row in recv_x (local expert * R * T_max + slot), where local
+};
+static_assert(sizeof(RouteRecord) % 16 == 0, "RouteRecord must keep 16-byte alignment");
 __host__ __device__ constexpr uint32_t signal_arrived(uint64_t word) { return static_cast<uint32_t>(word); }
 __host__ __device__ constexpr bool signal_complete(uint64_t word) {
   return (word & kFinishBit) != 0 && signal_expected(word) == signal_arrived(word);
@@ -98,16 +131,22 @@ struct LowLatencyLayout {
   __host__ __device__ int num_scales() const { return (hidden + kFp8BlockSize - 1) / kFp8BlockSize; }
   __host__ __device__ int num_ue8m0_words() const { return (num_scales() + 3) / 4; }
   __host__ __device__ int64_t row_bytes() const { return 2LL * hidden; }  // bf16 token
-  // FP8 payload: H bytes, then the float scales at fp8_scales_offset().
+  // FP8 payload: H bytes, then the float scales at fp8_scales_offset(). With expert-side sums the
+  // route follows at route_offset().
   __host__ __device__ int64_t fp8_scales_offset() const { return align_up(hidden, 16); }
   __host__ __device__ int64_t payload_bytes() const {
     const int64_t bf16 = align_up(row_bytes(), 16);
     const int64_t fp8 = fp8_scales_offset() + align_up(4LL * num_scales(), 16);
-    return bf16 > fp8 ? bf16 : fp8;
+    return (bf16 > fp8 ? bf16 : fp8) + kRouteBytes;
   }
-  // Payload bytes a message carries: the bf16 row, or the FP8 row and its scales.
-  __host__ __device__ int64_t used_payload_bytes(bool use_fp8) const {
+  // The bf16 row, or the FP8 row and its scales.
+  __host__ __device__ int64_t row_payload_bytes(bool use_fp8) const {
     return use_fp8 ? fp8_scales_offset() + align_up(4LL * num_scales(), 16) : row_bytes();
+  }
+  __host__ __device__ int64_t route_offset(bool use_fp8) const { return row_payload_bytes(use_fp8); }
+  // Payload bytes a message carries: the row (and scales), then the route if there is one.
+  __host__ __device__ int64_t used_payload_bytes(bool use_fp8, bool route) const {
+    return row_payload_bytes(use_fp8) + (route ? kRouteBytes : 0);
   }
 
   // Areas of one round: size formulas.
@@ -137,8 +176,24 @@ struct LowLatencyLayout {
   __host__ __device__ int64_t dispatch_send_bytes() const {
     return token_payloads_bytes() + align_up(static_cast<int64_t>(num_max_tokens) * kMaxTopk * 4, kAreaAlign);
   }
+  // route_table = R * T_max * sizeof(RouteRecord)
+  __host__ __device__ int64_t route_records_bytes() const {
+    return align_up(static_cast<int64_t>(num_ranks) * num_max_tokens * static_cast<int64_t>(sizeof(RouteRecord)),
+                    kAreaAlign);
+  }
+  // route_table = the records, then the pair list (R * T_max int32)
+  __host__ __device__ int64_t route_table_bytes() const {
+    return route_records_bytes() + align_up(static_cast<int64_t>(num_ranks) * num_max_tokens * 4, kAreaAlign);
+  }
   __host__ __device__ int64_t round_bytes() const {
-    return dispatch_recv_bytes() + combine_recv_bytes() + dispatch_send_bytes();
+    return dispatch_recv_bytes() + combine_recv_bytes() + dispatch_send_bytes() + route_table_bytes();
+  }
+  // Whether this layout admits expert-side sums (besides every peer being reachable by NVLink): the
+  // fp32 partials [T_max][R][H] fit combine_recv, one word per (token, rank) fits the header, and a
+  // RouteRecord's int32 rows reach every row of recv_x.
+  __host__ __device__ bool admits_expert_sums() const {
+    return num_ranks <= kMaxExpertSumRanks && static_cast<int64_t>(num_max_tokens) * num_ranks <= kMaxExperts &&
+           static_cast<int64_t>(num_experts) * num_max_tokens <= INT32_MAX;
   }
   // Bytes a buffer needs (Buffer.get_low_latency_rdma_size_hint).
   __host__ __device__ int64_t total_bytes() const { return kHeaderBytes + 2 * round_bytes(); }
@@ -148,6 +203,8 @@ struct LowLatencyLayout {
   __host__ __device__ int64_t combine_recv_offset() const { return dispatch_recv_bytes(); }
   __host__ __device__ int64_t token_payloads_offset() const { return combine_recv_offset() + combine_recv_bytes(); }
   __host__ __device__ int64_t staged_index_offset() const { return token_payloads_offset() + token_payloads_bytes(); }
+  __host__ __device__ int64_t route_table_offset() const { return token_payloads_offset() + dispatch_send_bytes(); }
+  __host__ __device__ int64_t pair_list_offset() const { return route_table_offset() + route_records_bytes(); }
 
   // Payload of token `token` from `src_rank` inside dispatch_recv.
   __host__ __device__ int64_t token_recv_offset(int src_rank, int token) const {
@@ -202,6 +259,9 @@ struct DispatchArgs {
   int32_t* recv_src_info;           // [E_local, R * T_max]: src_rank << 21 | (t * kMaxTopk + k)
   int64_t* recv_layout;             // [E_local, R]: first slot << 32 | count, per source rank
   int32_t* cumulative_stats;        // [E_local] or nullptr
+  // Expert-side sums: each payload carries its route (ids, these weights). Every rank must agree.
+  bool carry_route;
+  const float* topk_weights;        // [T, K] (with carry_route)
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
@@ -224,6 +284,9 @@ struct CombineArgs {
   const float* topk_weights;        // [T, K]
   int num_tokens, num_topk;
   void* out;                        // [T, H] bf16
+  // The matching dispatch carried routes: the expert side sums each token's rows with the weights it
+  // received (topk_weights above is then unused) and sends one fp32 partial per (token, rank).
+  bool expert_sums;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
@@ -251,6 +314,12 @@ __device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ int2 ld_nc_v2(const int2* ptr) {
+  int2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
 __device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
   int2 v;
   asm volatile("ld.global.cg.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr) : "memory");
@@ -269,14 +338,14 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const Wait
   }
 }
 
-// After the warp has stored a message straight into `pe`'s memory: add 1 to `signal` (symmetric
-// address) there. Warp-collective.
+// After the warp has stored a message straight into `pe`'s memory: add `value` to `signal`
+// (symmetric address) there. Warp-collective.
 // NOTE: the warp barrier orders every lane's stores before lane 0's release, and the release at
 // system scope makes them visible to the peer before the increment: a reader that acquires the
 // word and sees the increment sees the bytes.
-__device__ __forceinline__ void publish_direct(uint64_t* signal, int pe) {
+__device__ __forceinline__ void publish_direct(uint64_t* signal, int pe, uint64_t value = 1) {
   __syncwarp();
-  if (lane_id() == 0) red_add_release_sys(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), 1);
+  if (lane_id() == 0) red_add_release_sys(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), value);
   __syncwarp();
 }
 
@@ -290,18 +359,18 @@ __device__ __forceinline__ void put_with_signal(void* dst, const void* src, int6
   nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), signal, 1, NVSHMEM_SIGNAL_ADD, pe);
 }
 
-// Announces `count` messages on `signal` (symmetric) of `pe`. One thread; no ordering needed
-// (the receiver compares the arrivals with the count), so a relaxed add: a release would first
-// wait for every earlier store of the thread to reach the peer.
+// Adds `value` (a count_signal) to `signal` (symmetric) of `pe`: announces how many messages follow.
+// One thread; no ordering needed (the receiver compares the arrivals with the count), so a relaxed
+// add: a release would first wait for every earlier store of the thread to reach the peer.
 // NOTE: same path as the word's arrivals (publish_direct / put_with_signal). nvshmemx_signal_op
 // sends an ADD through the network transport whenever the job is not NVLink-only, even to a peer
 // NVLink reaches; a NIC's atomic is not atomic with the GPU's NVLink atomics on the same word.
-__device__ __forceinline__ void announce_count(uint64_t* signal, uint32_t count, int pe) {
+__device__ __forceinline__ void announce_count(uint64_t* signal, uint64_t value, int pe) {
   uint64_t* peer_signal = static_cast<uint64_t*>(nvshmem_ptr(signal, pe));
   if (peer_signal != nullptr) {
-    red_add_relaxed_sys(peer_signal, count_signal(count));
+    red_add_relaxed_sys(peer_signal, value);
   } else {
-    nvshmemx_signal_op(signal, count_signal(count), NVSHMEM_SIGNAL_ADD, pe);
+    nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_ADD, pe);
   }
 }
 

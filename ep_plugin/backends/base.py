@@ -46,6 +46,17 @@ DispatchOutput = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
                        List[int], object]
 
 # (recv_x or (recv_x_fp8, recv_scales), recv_count, handle, hook or None)
+@dataclass(frozen=True)
+class DispatchRoute:
+    """The topk_idx and topk_weights of a low-latency dispatch given topk_weights, with their version
+    counters then: the combine must get the same tensors, unmodified (a backend may have sent the
+    weights ahead with the tokens and summed on the expert side)."""
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    idx_version: int
+    weights_version: int
+
+
 LowLatencyDispatchOutput = Tuple[object, torch.Tensor, object, Optional[Callable[[], None]]]
 
 
@@ -103,8 +114,9 @@ class Backend(abc.ABC):
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                             return_recv_hook: bool) -> LowLatencyDispatchOutput:
-        """See `Buffer.low_latency_dispatch`."""
+                             return_recv_hook: bool, topk_weights: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
+        """See `Buffer.low_latency_dispatch`. `topk_weights` (or None): the weights the combine will use,
+        for a backend that sums on the expert side."""
 
     @abc.abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..tuning import INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
-from .base import Backend, GroupInfo
+from .base import Backend, DispatchRoute, GroupInfo
 
 try:
     from .. import _C
@@ -120,7 +120,9 @@ class LowLatencyHandle:
     num_topk: int
     recv_src_info: torch.Tensor          # [E_local, R * T_max] int32: src_rank << 21 | (t * 32 + k)
     recv_layout: torch.Tensor            # [E_local, R] int64: first slot << 32 | count, per source rank
+    expert_sums: bool = False            # the payloads carried routes: the combine sums on the expert side
     combine_buffer: Optional[torch.Tensor] = field(default=None)
+    dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
     @property
     def hidden(self) -> int:
@@ -771,7 +773,7 @@ class NativeBackend(Backend):
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
-                             return_recv_hook):
+                             return_recv_hook, topk_weights):
         runtime = self._low_latency()
         T, K = topk_idx.shape
         H = x.size(1)
@@ -794,6 +796,10 @@ class NativeBackend(Backend):
         recv_src_info = self._empty(num_local, num_slots, dtype=torch.int32)
         recv_layout = self._empty(num_local, R, dtype=torch.int64)
         parity = self._next_parity()
+        # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
+        # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
+        expert_sums = topk_weights is not None and runtime.supports_expert_sums(
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=H, num_experts=num_experts)
 
         def launch(phases: int) -> None:
             runtime.dispatch(parity=parity, phases=phases,
@@ -803,13 +809,14 @@ class NativeBackend(Backend):
                              recv_x=_address(data), recv_scales=_address(scales), recv_count=_address(recv_count),
                              recv_src_info=_address(recv_src_info), recv_layout=_address(recv_layout),
                              cumulative_local_expert_recv_stats=_address(cumulative_local_expert_recv_stats),
+                             carry_route=expert_sums, route_weights=_address(topk_weights) if expert_sums else 0,
                              stream=self._stream())
 
         self._launch_phases(launch, return_recv_hook)
         handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                   num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
-                                  recv_layout=recv_layout)
+                                  recv_layout=recv_layout, expert_sums=expert_sums)
         hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
         return recv_x, recv_count, handle, hook
 
@@ -844,7 +851,8 @@ class NativeBackend(Backend):
                             hidden=handle.hidden, num_experts=handle.num_experts, x=_address(x),
                             recv_src_info=_address(handle.recv_src_info), recv_layout=_address(handle.recv_layout),
                             topk_idx=_address(topk_idx), topk_weights=_address(topk_weights), num_tokens=T,
-                            num_topk=K, out=_address(combined), stream=self._stream())
+                            num_topk=K, out=_address(combined), expert_sums=handle.expert_sums,
+                            stream=self._stream())
 
         self._launch_phases(launch, return_recv_hook)
         hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None

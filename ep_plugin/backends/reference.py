@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..tuning import Config
-from .base import Backend, DispatchOutput, LowLatencyDispatchOutput
+from .base import Backend, DispatchOutput, DispatchRoute, LowLatencyDispatchOutput
 
 # Devices that each torch.distributed backend can move tensors of (all_to_all_single).
 _BACKEND_DEVICES: Dict[str, Tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu",), "mpi": ("cpu",),
@@ -81,6 +81,7 @@ class LowLatencyHandle:
     recv_expert: torch.Tensor        # [N] int64: local expert of each received message
     recv_slot: torch.Tensor          # [N] int64: its slot in that expert's rows
     combine_buffer: Optional[torch.Tensor] = field(default=None)
+    dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
 
 def _receive_complete() -> None:
@@ -361,7 +362,9 @@ class ReferenceBackend(Backend):
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                             return_recv_hook: bool) -> LowLatencyDispatchOutput:
+                             return_recv_hook: bool, topk_weights: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
+        # topk_weights: the reference always sums on the token side, with the combine's weights (the
+        # Buffer checks that they are the dispatch's).
         rank, num_ranks = self.info.rank, self.info.num_ranks
         device = x.device
         num_tokens, hidden = x.shape
