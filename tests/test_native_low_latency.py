@@ -278,17 +278,21 @@ def two_rounds_in_flight(ctx: Ctx, case_id: int) -> None:
         torch.testing.assert_close(result, ctx.reference.low_latency_combine(out, ids, w, want[2])[0])
 
 
-def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
-    """Dispatch (FP8) + combine captured in one CUDA graph, replayed with new data each time."""
+def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int, route: bool = False) -> None:
+    """Dispatch (FP8) + combine captured in one CUDA graph, replayed with new data each time. `route`:
+    the dispatch gets topk_weights and the combine sums on the expert side (float scales); otherwise
+    UE8M0 scales."""
     T, H, K, E = T_MAX, 7168, 8, NUM_EXPERTS
     x0, ids0, w0 = make_inputs(ctx, case_id, T, H, K, E, "random")
     x_s, ids_s, w_s = x0.clone(), ids0.clone(), w0.clone()
     E_local = E // ctx.R
     expert_s = torch.zeros(E_local, ctx.R * T, H, dtype=torch.bfloat16, device="cuda")
+    fp8 = dict(use_fp8=True) if route else dict(use_fp8=True, round_scale=True, use_ue8m0=True)
+    extra = dict(topk_weights=w_s) if route else {}
 
     def step():
-        recv, count, handle, _, _ = ctx.native.low_latency_dispatch(x_s, ids_s, T, E, use_fp8=True,
-                                                                    round_scale=True, use_ue8m0=True)
+        recv, count, handle, _, _ = ctx.native.low_latency_dispatch(x_s, ids_s, T, E, **fp8, **extra)
+        assert handle.expert_sums == route
         combined, _, _ = ctx.native.low_latency_combine(expert_s, ids_s, w_s, handle)
         return recv, count, combined
 
@@ -296,10 +300,10 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int = 1000) -> None:
     for i in range(replays):
         x, ids, w = make_inputs(ctx, case_id + 1 + i, T, H, K, E, "minus_one" if i % 2 else "random")
         x_s.copy_(x), ids_s.copy_(ids), w_s.copy_(w)
-        want = ctx.reference.low_latency_dispatch(x, ids, T, E, use_fp8=True, round_scale=True, use_ue8m0=True)
+        want = ctx.reference.low_latency_dispatch(x, ids, T, E, **fp8)
         expert_s.copy_(expert_outputs(ctx, case_id + 1 + i, want[2].recv_shape, want[1].tolist()))
         recv_s[0].view(torch.uint8).fill_(0x7F)
-        recv_s[1].fill_(0x7F7F7F7F)
+        recv_s[1].fill_(0x7F7F7F7F if recv_s[1].dtype == torch.int32 else float("nan"))
         count_s.fill_(-1)
         combined_s.fill_(float("nan"))
         graph.replay()
@@ -322,37 +326,6 @@ def route_dispatches_without_combine(ctx: Ctx, case_id: int) -> None:
     torch.cuda.synchronize()
     ll_case(ctx, case_id + 10, route=True, H=2048)
     ll_case(ctx, case_id + 11, route=True, H=2048, T=T_MAX // 2)
-
-
-def route_graph_replays(ctx: Ctx, case_id: int, replays: int = 200) -> None:
-    """Dispatch with topk_weights (FP8) + combine (expert-side sums) in one CUDA graph, new data each replay."""
-    T, H, K, E = T_MAX, 7168, 8, NUM_EXPERTS
-    x_s, ids_s, w_s = make_inputs(ctx, case_id, T, H, K, E, "random")
-    expert_s = torch.zeros(E // ctx.R, ctx.R * T, H, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        recv, count, handle, _, _ = ctx.native.low_latency_dispatch(x_s, ids_s, T, E, use_fp8=True, topk_weights=w_s)
-        assert handle.expert_sums
-        combined, _, _ = ctx.native.low_latency_combine(expert_s, ids_s, w_s, handle)
-        return recv, count, combined
-
-    graph, (recv_s, count_s, combined_s) = capture_graph(step)
-    for i in range(replays):
-        x, ids, w = make_inputs(ctx, case_id + 1 + i, T, H, K, E, "minus_one" if i % 2 else "random")
-        x_s.copy_(x), ids_s.copy_(ids), w_s.copy_(w)
-        want = ctx.reference.low_latency_dispatch(x, ids, T, E, use_fp8=True)
-        expert_s.copy_(expert_outputs(ctx, case_id + 1 + i, want[2].recv_shape, want[1].tolist()))
-        recv_s[0].view(torch.uint8).fill_(0x7F)
-        count_s.fill_(-1)
-        combined_s.fill_(float("nan"))
-        graph.replay()
-        compare_dispatch((recv_s, count_s), want, True)
-        want_combined, _, _ = ctx.reference.low_latency_combine(expert_s, ids, w, want[2])
-        try:
-            torch.testing.assert_close(combined_s, want_combined)
-        except AssertionError as error:
-            raise AssertionError(f"replay {i}: {error}") from None
-    torch.cuda.synchronize()
 
 
 def route_errors(ctx: Ctx, case_id: int) -> None:
@@ -433,7 +406,7 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "two_rounds_in_flight": lambda: two_rounds_in_flight(ctx, 24),
         "host_errors": lambda: host_errors(ctx, 25),
         "clean_then_continue": lambda: clean_then_continue(ctx, 26),
-        "cuda_graph_1000_replays": lambda: cuda_graph_replays(ctx, 27),
+        "cuda_graph_1000_replays": lambda: cuda_graph_replays(ctx, 27, 1000),
         "route_bf16": lambda: ll_case(ctx, 30, route=True),
         "route_fp8": lambda: ll_case(ctx, 31, route=True, use_fp8=True),
         "route_ue8m0_hook": lambda: ll_case(ctx, 32, route=True, use_fp8=True, round_scale=True, use_ue8m0=True,
@@ -451,7 +424,7 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
                                      ll_case(ctx, 43, route=True, H=7168, use_fp8=True)),
         "route_errors": lambda: route_errors(ctx, 44),
         "route_dispatches_without_combine": lambda: route_dispatches_without_combine(ctx, 46),
-        "route_cuda_graph_200_replays": lambda: route_graph_replays(ctx, 45),
+        "route_cuda_graph_200_replays": lambda: cuda_graph_replays(ctx, 45, 200, route=True),
     }
     for i, H in enumerate((2048, 4096, 7168, 1536, 2880)):
         for j, fp8_options in enumerate(({}, dict(use_fp8=True), dict(use_fp8=True, round_scale=True, use_ue8m0=True))):

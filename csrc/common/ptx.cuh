@@ -41,6 +41,12 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
   return v;
 }
 
+__device__ __forceinline__ int2 ld_nc_v2(const int2* ptr) {
+  int2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
 // Ring-buffer data written by a peer during this kernel: read through L2 only (never a stale L1 line).
 __device__ __forceinline__ int4 ld_cg_v4(const int4* ptr) {
   int4 v;

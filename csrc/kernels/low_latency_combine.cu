@@ -318,18 +318,6 @@ __device__ void combine_recv(const CombineArgs& a) {
 }
 
 // ---- receive, expert-side sums --------------------------------------------------------------------
-// Spins (one thread) until the word of a token's partial from `peer` is complete (piece count
-// announced, that many pieces arrived); through Deadline past timeout_s.
-__device__ __forceinline__ void wait_partial(const uint64_t* word, const WaitSite& site, int peer) {
-  Deadline deadline(site);
-  while (true) {
-    const uint64_t value = ld_acquire_sys(word);
-    if (signal_complete(value)) return;
-    const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
-    deadline.check(kWaitTokenPartials, peer, expected, signal_arrived(value));
-  }
-}
-
 // Block b: tokens b, b + B, ...: out[token] = the partials of the ranks holding its experts, added in
 // rank order in fp32, rounded to bf16. The waiting lane resets its word (its only reader).
 constexpr int kRecvBatch = 4;  // ranks' partials loaded before the first is added
@@ -351,7 +339,7 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
       if (lane < num_ranks && (ranks >> lane & 1u)) {
         uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
         const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
-        wait_partial(word, site, lane);
+        wait_signal(word, site, lane, kWaitTokenPartials);
         // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
         // after this kernel ended (as for the per-expert words).
         st_volatile_u64(word, 0);
@@ -420,8 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 #ifdef EP_PLUGIN_PHASE_PROFILE
   EP_PHASE_MARK(5);
   const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
-  const char* kernel = args.phases == (kPhaseSend | kPhaseRecv) ? "combine" : args.phases == kPhaseSend ? "combine_send" : "combine_recv";
-  phase_report(args.expert_sums ? "combine_expert_sums" : kernel, args.rank, args.num_tokens, names);
+  phase_report(args.expert_sums ? "combine_expert_sums" : "combine", args.phases, args.rank, args.num_tokens, names);
 #endif
 }
 

@@ -507,8 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 #ifdef EP_PLUGIN_PHASE_PROFILE
   EP_PHASE_MARK(3);
   const char* names[] = {"start", "sent", "first_wait", "end", nullptr, nullptr};
-  phase_report(args.phases == (kPhaseSend | kPhaseRecv) ? "dispatch" : args.phases == kPhaseSend ? "dispatch_send" : "dispatch_recv",
-               args.rank, args.num_tokens, names);
+  phase_report("dispatch", args.phases, args.rank, args.num_tokens, names);
 #endif
 }
 

@@ -314,12 +314,6 @@ __device__ __forceinline__ void st_volatile_u64(uint64_t* ptr, uint64_t value) {
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
-__device__ __forceinline__ int2 ld_nc_v2(const int2* ptr) {
-  int2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
-  return v;
-}
-
 __device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
   int2 v;
   asm volatile("ld.global.cg.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr) : "memory");
@@ -327,14 +321,16 @@ __device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
 }
 
 // Spins (one thread) until `word` is complete; returns it. Through Deadline: past timeout_s it
-// reports rank, peer and expert (the report's channel) and traps.
-__device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const WaitSite& site, int peer) {
+// reports rank, peer, what it waited for (`kind`) and the site's channel (an expert, or a token for
+// the expert-sums partials), and traps.
+__device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const WaitSite& site, int peer,
+                                                int kind = kWaitExpertMessages) {
   Deadline deadline(site);
   while (true) {
     const uint64_t value = ld_acquire_sys(word);
     if (signal_complete(value)) return value;
     const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
-    deadline.check(kWaitExpertMessages, peer, expected, signal_arrived(value));
+    deadline.check(kind, peer, expected, signal_arrived(value));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "../common/ptx.cuh"
+#include "low_latency_layout.cuh"
 
 #ifdef EP_PLUGIN_PHASE_PROFILE
 namespace ep_plugin::low_latency {
@@ -24,8 +25,9 @@ __device__ __forceinline__ void phase_mark(int mark) {
   if (threadIdx.x == 0 && blockIdx.x < kProfiledBlocks) g_marks[blockIdx.x][mark] = global_timer_ns();
 }
 
-// Called by every thread of every block at its very end (after its last mark).
-__device__ void phase_report(const char* kernel, int rank, int num_tokens, const char* const* names) {
+// Called by every thread of every block at its very end (after its last mark). A launch of one phase
+// only (a receive hook) is reported as kernel_send / kernel_recv.
+__device__ void phase_report(const char* kernel, int phases, int rank, int num_tokens, const char* const* names) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
@@ -47,8 +49,8 @@ __device__ void phase_report(const char* kernel, int rank, int num_tokens, const
       lo = min(lo, t - start), hi = max(hi, t - start), sum += t - start, ++n;
     }
     if (n > 0)
-      printf("[phase] %s rank %d tokens %d launch %u start %llu: %-12s blocks %4d min %7.2f mean %7.2f max %7.2f us\n",
-             kernel, rank, num_tokens, launch, static_cast<unsigned long long>(start), names[m], n, lo * 1e-3,
+      printf("[phase] %s%s rank %d tokens %d launch %u start %llu: %-12s blocks %4d min %7.2f mean %7.2f max %7.2f us\n",
+             kernel, phases == kPhaseSend ? "_send" : phases == kPhaseRecv ? "_recv" : "", rank, num_tokens, launch, static_cast<unsigned long long>(start), names[m], n, lo * 1e-3,
              static_cast<double>(sum) / n * 1e-3, hi * 1e-3);
   }
 }
