@@ -138,9 +138,11 @@ __device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a,
          static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
 }
 
-// Pieces per partial: about one item per warp of the grid, each at least one unit per lane.
+// Pieces per partial: at most one item per warp of the grid (rounded down: a warp given a second item
+// finishes a whole item after the others, and the token side waits for the last piece; 128 tokens on
+// 2 ranks had 192 such warps and ended 5 us later), each at least one unit per lane.
 __device__ __forceinline__ int partial_pieces(int num_pairs, int num_units, int num_warps) {
-  const int wanted = num_pairs > 0 ? (num_warps + num_pairs - 1) / num_pairs : 1;
+  const int wanted = num_pairs > 0 ? max(1, num_warps / num_pairs) : 1;
   return max(1, min(min(wanted, kMaxPartialPieces), num_units / 32));
 }
 
