@@ -331,34 +331,17 @@ __device__ void dispatch_send(const DispatchArgs& a) {
 }
 
 // ---- receive ------------------------------------------------------------------------------------
-// A message's route as a warp holds it: lane k has column k's expert id (-1: not routed, or no such
-// column) and weight.
-struct RouteLanes {
-  int id = -1;
-  float weight = 0.0f;
-};
-
-// Loads the route of the message at `payload` (expert-side sums). Issued before the message's copy
-// and used after it, so that its load latency hides behind the copy's.
-__device__ __forceinline__ RouteLanes load_route(const DispatchArgs& a, const uint8_t* payload) {
-  RouteLanes route;
-  const int lane = lane_id();
-  if (lane < a.num_topk) {
-    const int32_t* ids = reinterpret_cast<const int32_t*>(payload + a.layout.route_offset(a.use_fp8));
-    route.id = ld_cg_s32(ids + lane);
-    route.weight = ld_cg_f32(reinterpret_cast<const float*>(ids + kMaxTopk) + lane);
-  }
-  return route;
-}
-
 // Expert-side sums: enters message (src, token, column k) into the token's RouteRecord: its row; and,
 // from the message of the token's first column here, the mask of its columns here and the weights.
 // Warp-collective.
-__device__ void record_route(const DispatchArgs& a, int src, int token, int k, int32_t row, const RouteLanes& route) {
+__device__ void record_route(const DispatchArgs& a, int src, int token, int k, int32_t row, const uint8_t* payload) {
   const LowLatencyLayout& layout = a.layout;
   const int lane = lane_id();
-  const uint32_t local_mask =
-      __ballot_sync(0xffffffffu, route.id >= 0 && route.id / layout.num_local_experts() == a.rank);
+  const int32_t* ids = reinterpret_cast<const int32_t*>(payload + layout.route_offset(a.use_fp8));
+  const float* weights = reinterpret_cast<const float*>(ids + kMaxTopk);
+  int id = -1;
+  if (lane < a.num_topk) id = ld_cg_s32(ids + lane);
+  const uint32_t local_mask = __ballot_sync(0xffffffffu, id >= 0 && id / layout.num_local_experts() == a.rank);
   RouteRecord* record = reinterpret_cast<RouteRecord*>(a.round.data + layout.route_table_offset()) +
                         static_cast<int64_t>(src) * layout.num_max_tokens + token;
   if (lane == 0) record->rows[k] = row;
@@ -369,15 +352,23 @@ __device__ void record_route(const DispatchArgs& a, int src, int token, int k, i
     const uint32_t position = atomicAdd(&a.round.state->num_pairs, 1u);
     reinterpret_cast<int32_t*>(a.round.data + layout.pair_list_offset())[position] = src * layout.num_max_tokens + token;
   }
-  if (lane < a.num_topk) record->weights[lane] = route.weight;
+  if (lane < a.num_topk) record->weights[lane] = ld_cg_f32(weights + lane);
 }
 
-// Copies the row (and scales) of the message at `payload` into row `row` (local expert `local`, slot
-// `slot`) of the outputs. Warp-collective.
-__device__ void copy_message(const DispatchArgs& a, int local, int slot, int64_t row, const uint8_t* payload) {
+// Copies the message at position `index` of region (local, src) into slot `slot` of the outputs.
+// Warp-collective.
+__device__ void unpack_message(const DispatchArgs& a, int local, int src, int index, int slot) {
   const LowLatencyLayout& layout = a.layout;
   const int lane = lane_id();
   const int num_slots = layout.num_slots();
+  const int64_t row = static_cast<int64_t>(local) * num_slots + slot;
+  const int entry = ld_cg_s32(reinterpret_cast<const int*>(a.round.data + layout.recv_index_offset(local, src, index)));
+  const int token = entry / kMaxTopk;
+  // This rank's own tokens are read where the cast left them; a peer's from where it stored them.
+  const uint8_t* payload = a.round.data + (src == a.rank ? layout.token_payloads_offset() + token * layout.payload_bytes()
+                                                         : layout.token_recv_offset(src, token));
+  if (lane == 0) a.recv_src_info[row] = (src << kSourceRowBits) | entry;
+  if (a.carry_route) record_route(a, src, token, entry % kMaxTopk, static_cast<int32_t>(row), payload);
   if (!a.use_fp8) {
     warp_copy_bytes<Load::kL2Only>(static_cast<uint8_t*>(a.recv_x) + row * layout.row_bytes(), payload,
                                    layout.row_bytes());
@@ -409,22 +400,6 @@ __device__ void copy_message(const DispatchArgs& a, int local, int slot, int64_t
       out_words[(static_cast<int64_t>(local) * num_words + w) * num_slots + slot] = static_cast<int32_t>(word);
     }
   }
-}
-
-// Copies the message at position `index` of region (local, src) into slot `slot` of the outputs (and,
-// with expert-side sums, enters it into its token's RouteRecord). Warp-collective.
-__device__ void unpack_message(const DispatchArgs& a, int local, int src, int index, int slot) {
-  const LowLatencyLayout& layout = a.layout;
-  const int64_t row = static_cast<int64_t>(local) * layout.num_slots() + slot;
-  const int entry = ld_cg_s32(reinterpret_cast<const int*>(a.round.data + layout.recv_index_offset(local, src, index)));
-  const int token = entry / kMaxTopk;
-  // This rank's own tokens are read where the cast left them; a peer's from where it stored them.
-  const uint8_t* payload = a.round.data + (src == a.rank ? layout.token_payloads_offset() + token * layout.payload_bytes()
-                                                         : layout.token_recv_offset(src, token));
-  if (lane_id() == 0) a.recv_src_info[row] = (src << kSourceRowBits) | entry;
-  const RouteLanes route = a.carry_route ? load_route(a, payload) : RouteLanes{};
-  copy_message(a, local, slot, row, payload);
-  if (a.carry_route) record_route(a, src, token, entry % kMaxTopk, static_cast<int32_t>(row), route);
 }
 
 // One lane: source `src` announced another RouteMode than this rank's (routes or not, fp32 or bf16
