@@ -297,6 +297,9 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       step_experts[g][k] = __ldg(a.topk_idx + static_cast<int64_t>(step.token(g, num_blocks)) * num_topk + k);
       step_slots[g][k] = 0;
     }
+    sync_threads(kSendBarrier, kSendThreads);  // step_experts is read by the count below
+    // The count and the cast are independent: one barrier after both (the count's loads are issued
+    // while the cast's stores drain).
     for (int g = 0; g < step.count; ++g) {
       const int token = step.token(g, num_blocks);
       uint8_t* payload = payloads + static_cast<int64_t>(token) * layout.payload_bytes();
@@ -307,7 +310,6 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       }
       if (a.carry_route) write_route(a, token, payload);
     }
-    sync_threads(kSendBarrier, kSendThreads);
     count_earlier_selections(a, step, step_experts, step_slots);
     // NOTE: every thread's part of the payloads is written, and every slot counted, before any warp
     // reads them to send.
