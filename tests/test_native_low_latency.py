@@ -470,11 +470,14 @@ def case_names() -> List[str]:
 CASE_NAMES = case_names()
 
 
-def low_latency_worker(rank: int, R: int, group, seed: int) -> Dict[str, Optional[str]]:
-    ctx = Ctx(rank, R, group, seed)
+def low_latency_worker(rank: int, R: int, group, seed: int, partials: str = "bf16",
+                       names: Optional[List[str]] = None) -> Dict[str, Optional[str]]:
+    """Runs the cases `names` (default: all) on buffers with low_latency.expert_sums_partials = `partials`."""
+    ctx = Ctx(rank, R, group, seed, partials=partials)
     cases = _cases(ctx)
     assert sorted(cases) == sorted(CASE_NAMES), "case_names() and _cases() must list the same cases"
-    results = run_each(cases, CASE_NAMES)
+    names = names or CASE_NAMES
+    results = run_each(cases, names)
     ctx.destroy()
     return results
 
@@ -497,17 +500,9 @@ FP32_PARTIALS_CASES = ["route_bf16", "route_ue8m0_hook", "route_zero_copy_hook_o
                        "route_minus_one", "route_topk32_small_e", "route_two_rounds", "route_cuda_graph_200_replays"]
 
 
-def fp32_partials_worker(rank: int, R: int, group, seed: int) -> Dict[str, Optional[str]]:
-    ctx = Ctx(rank, R, group, seed, partials="fp32")
-    cases = _cases(ctx)
-    results = run_each({name: cases[name] for name in FP32_PARTIALS_CASES}, FP32_PARTIALS_CASES)
-    ctx.destroy()
-    return results
-
-
 @pytest.fixture(scope="module")
 def launch_fp32_partials():
-    return parallel_launch(RANKS, fp32_partials_worker, BASE_SEED, timeout_s=150)
+    return parallel_launch(RANKS, low_latency_worker, BASE_SEED, "fp32", FP32_PARTIALS_CASES, timeout_s=150)
 
 
 @needs_gpus
