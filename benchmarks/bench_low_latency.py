@@ -16,8 +16,10 @@ device sync and a barrier before each call.
 
 Two native variants per point: "native", DeepEP's API (the combine sums each token's top-k bf16
 rows on the token side), and "native_expert_sums", the dispatch also given topk_weights (an
-ep_plugin extension): the combine sums on the expert side and sends one fp32 partial per (token,
-rank). Bandwidth below counts the same messages for both.
+ep_plugin extension): the combine sums on the expert side and sends one partial per (token,
+rank), rounded to bf16 when it crosses to a peer unless --expert-sums-partials fp32 (checked against
+the rounding bound of ep_plugin.testing.assert_within_bf16_partials_bound; fp32 partials with
+assert_close). Bandwidth below counts the same messages for both.
 
 Bandwidth, per rank, counted per (token, expert) message received:
     dispatch GB/s = received messages x (H + 4 x ceil(H / 128)) bytes (FP8 row + float scales;
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from ep_plugin import Buffer
 from ep_plugin.launch import RANKS_PER_GPU_ENV, parallel_launch, rank_device, rank_slots
-from ep_plugin.testing import raw_bytes
+from ep_plugin.testing import assert_within_bf16_partials_bound, raw_bytes
 
 DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 DEEPEP_REFERENCE_US = {"dispatch": 28.0, "combine": 41.0}   # DeepEP V1 low-latency, this machine (issue 4)
@@ -86,7 +88,12 @@ def check_against_reference(native: Buffer, reference: Buffer, x, ids, weights, 
                 raise AssertionError(f"recv_x of local expert {e} differs from the reference backend")
     expert_out = torch.randn(want[2].recv_shape, device="cuda").to(torch.bfloat16)
     combined = native.low_latency_combine(expert_out, ids, weights, got[2])[0]
-    torch.testing.assert_close(combined, reference.low_latency_combine(expert_out, ids, weights, want[2])[0])
+    want_combined = reference.low_latency_combine(expert_out, ids, weights, want[2])[0]
+    if got[2].bf16_partials:
+        magnitude = reference.low_latency_combine(expert_out.abs(), ids, weights, want[2])[0]  # weights >= 0
+        assert_within_bf16_partials_bound(combined, want_combined, magnitude)
+    else:
+        torch.testing.assert_close(combined, want_combined)
     return int(want[1].sum())
 
 
@@ -210,7 +217,8 @@ def bench_rank(rank: int, R: int, group, args: argparse.Namespace) -> dict:
     t_max = max(points)
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(t_max, H, R, E)
     native = Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, explicitly_destroy=True,
-                    config={"backend": "native", "timeout_s": 60, "transport": "nvlink"})  # one host: no NIC probing
+                    config={"backend": "native", "timeout_s": 60, "transport": "nvlink",  # one host: no NIC probing
+                            "low_latency": {"expert_sums_partials": args.expert_sums_partials}})
     reference = Buffer(group, 0, 0, low_latency_mode=True, explicitly_destroy=True, config={"backend": "reference"})
     scale_bytes = 4 * math.ceil(H / 128)
     results = []
@@ -315,6 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-replays", type=int, default=200,
                         help="replays traced by the profiler for kernel-only durations (0: none)")
     parser.add_argument("--reference-iters", type=int, default=20, help="0 skips the reference backend")
+    parser.add_argument("--expert-sums-partials", choices=("bf16", "fp32"), default="bf16",
+                        help="low_latency.expert_sums_partials of the native_expert_sums variant")
     parser.add_argument("--no-flush", action="store_true", help="do not flush the L2 before each dispatch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON")
@@ -352,7 +362,8 @@ def main(argv=None) -> int:
             print(f"{point['tokens']:>7} {op:<10} {n['median_us']:>14.1f} {n['p10_us']:>7.1f} {n['p90_us']:>7.1f} "
                   f"{n['gbps']:>8.1f} {kernel['median_us'] if kernel else float('nan'):>10.1f} "
                   f"{r['median_us'] if r else float('nan'):>13.1f}")
-    print("*: the dispatch given topk_weights, the combine summing on the expert side (ep_plugin extension)")
+    print(f"*: the dispatch given topk_weights, the combine summing on the expert side (ep_plugin extension), "
+          f"{args.expert_sums_partials} partials")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as handle:

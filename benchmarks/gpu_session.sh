@@ -138,6 +138,10 @@ for s in $STAGES; do
         python3 -m pytest -q -rs --durations=10 tests/test_native_low_latency.py -k "not missing_peer and not disagree"
       stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} \
         --out "$OUT/results_dir/low_latency.json" --plot "$OUT/results_dir/low_latency_tokens.png"
+      # Expert-side sums with fp32 partials beside the default bf16 ones (LL_FP32_PARTIALS=0 skips it).
+      [ "${LL_FP32_PARTIALS:-1}" = 1 ] && stage bench timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_low_latency.py \
+        ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} --expert-sums-partials fp32 --sweep 1,128,256 --reference-iters 0 \
+        --out "$OUT/results_dir/low_latency_fp32_partials.json"
       ;;
     internode)
       [ "${INTERNODE_TESTS:-1}" = 1 ] && stage tests timeout "${INTERNODE_TEST_TIMEOUT:-300}" \

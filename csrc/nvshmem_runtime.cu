@@ -87,6 +87,9 @@ const char* op_name(int op) {
   }
 }
 
+// The partials a combine sends after a dispatch of this RouteMode (as in kErrRouteMismatch reports).
+const char* partials_name(int mode) { return mode == low_latency::kBf16Partials ? "bf16" : "fp32"; }
+
 }  // namespace
 
 void SymmetricBuffer::open(int rank, int num_ranks, int64_t bytes, int64_t header_bytes,
@@ -295,11 +298,15 @@ std::string LowLatencyRuntime::describe_device_error() const {
         << " waited for peer " << s.error_peer << "'s partial sum for token " << s.error_channel << " (warp "
         << s.error_warp << "); pieces expected " << s.error_expected << ", arrived " << s.error_observed
         << ". Every rank must make the same sequence of low-latency calls, and call each receive hook.";
-  } else if (s.error_code == kErrRouteMismatch) {
+  } else if (s.error_code == kErrRouteMismatch && (s.error_observed != 0) != (s.error_expected != 0)) {
     out << "rank " << s.error_rank << " got a dispatch from peer " << s.error_peer << " that "
         << (s.error_observed ? "carried" : "did not carry") << " topk_weights while its own "
         << (s.error_expected ? "did" : "did not") << ": every rank must pass topk_weights to "
         << "low_latency_dispatch, or none";
+  } else if (s.error_code == kErrRouteMismatch) {
+    out << "rank " << s.error_rank << " got a dispatch from peer " << s.error_peer << " whose combine sends "
+        << partials_name(s.error_observed) << " partials while its own sends " << partials_name(s.error_expected)
+        << ": low_latency.expert_sums_partials must be the same on every rank";
   } else if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
         << " waited for peer " << s.error_peer << " (expert " << s.error_channel << ", warp " << s.error_warp

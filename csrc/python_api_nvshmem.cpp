@@ -40,7 +40,7 @@ void runtime_dispatch(LowLatencyRuntime& runtime, int parity, int phases, int nu
                       int num_experts, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
                       bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_count,
                       uintptr_t recv_src_info, uintptr_t recv_layout, uintptr_t cumulative_stats,
-                      bool carry_route, uintptr_t route_weights, uintptr_t stream) {
+                      bool carry_route, bool bf16_partials, uintptr_t route_weights, uintptr_t stream) {
   low_latency::DispatchArgs args{};
   args.layout = make_layout(num_max_tokens, hidden, runtime.num_ranks(), num_experts);
   args.phases = phases;
@@ -59,6 +59,7 @@ void runtime_dispatch(LowLatencyRuntime& runtime, int parity, int phases, int nu
   args.recv_layout = pointer<int64_t>(recv_layout, "recv_layout");
   args.cumulative_stats = pointer<int32_t>(cumulative_stats, "cumulative_local_expert_recv_stats", false);
   args.carry_route = carry_route;
+  args.bf16_partials = bf16_partials;
   args.topk_weights = pointer<const float>(route_weights, "topk_weights", carry_route && send && num_tokens > 0);
   runtime.dispatch(args, parity, as_stream(stream));
 }
@@ -66,7 +67,7 @@ void runtime_dispatch(LowLatencyRuntime& runtime, int parity, int phases, int nu
 void runtime_combine(LowLatencyRuntime& runtime, int parity, int phases, int num_max_tokens, int hidden,
                      int num_experts, uintptr_t x, uintptr_t recv_src_info, uintptr_t recv_layout, uintptr_t topk_idx,
                      uintptr_t topk_weights, int num_tokens, int num_topk, uintptr_t out, bool expert_sums,
-                     uintptr_t stream) {
+                     bool bf16_partials, uintptr_t stream) {
   low_latency::CombineArgs args{};
   args.layout = make_layout(num_max_tokens, hidden, runtime.num_ranks(), num_experts);
   args.phases = phases;
@@ -80,6 +81,7 @@ void runtime_combine(LowLatencyRuntime& runtime, int parity, int phases, int num
   args.num_topk = num_topk;
   args.out = pointer<uint8_t>(out, "out", recv && num_tokens > 0, 16);
   args.expert_sums = expert_sums;
+  args.bf16_partials = bf16_partials;
   runtime.combine(args, parity, as_stream(stream));
 }
 
@@ -255,11 +257,12 @@ PYBIND11_MODULE(_C_nvshmem, m) {
            py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
            py::arg("recv_count"), py::arg("recv_src_info"), py::arg("recv_layout"),
            py::arg("cumulative_local_expert_recv_stats"), py::arg("carry_route"),
-           py::arg("route_weights"), py::arg("stream"))
+           py::arg("bf16_partials"), py::arg("route_weights"), py::arg("stream"))
       .def("combine", &runtime_combine, py::arg("parity"), py::arg("phases"),
            py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"), py::arg("x"),
            py::arg("recv_src_info"), py::arg("recv_layout"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("num_tokens"), py::arg("num_topk"), py::arg("out"), py::arg("expert_sums"), py::arg("stream"))
+           py::arg("num_tokens"), py::arg("num_topk"), py::arg("out"), py::arg("expert_sums"),
+           py::arg("bf16_partials"), py::arg("stream"))
       .def("supports_expert_sums", &LowLatencyRuntime::supports_expert_sums, py::arg("num_max_dispatch_tokens_per_rank"),
            py::arg("hidden"), py::arg("num_experts"));
 

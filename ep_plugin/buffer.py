@@ -457,8 +457,11 @@ class Buffer:
             topk_weights: optional `[T, K]` float32, the weights the matching `low_latency_combine`
                 will be given (an ep_plugin extension; DeepEP's dispatch has no such argument). The
                 native backend then sends them with the tokens and sums each token's rows on the
-                expert side: the combine moves one fp32 partial per (token, rank) instead of one bf16
-                row per (token, expert), half the bytes at top-8 on 2 ranks. It does so when every
+                expert side: the combine moves one partial per (token, rank) instead of one bf16 row
+                per (token, expert). The partial crosses to the token's rank as bf16 (a quarter of the
+                bytes at top-8 on 2 ranks; rounded once before the final fp32 sum, as DeepEP's internode
+                combine rounds its per-node sums) or, with `low_latency.expert_sums_partials: fp32`, as
+                fp32 (half the bytes; only the summation order differs). It does so when every
                 peer is reachable by NVLink (at most 16 ranks); otherwise it sums on the token side as
                 usual. Either every rank passes topk_weights or none (a device error says so
                 otherwise), and the combine must get these same topk_idx and topk_weights tensors,

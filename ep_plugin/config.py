@@ -28,6 +28,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # Values NVSHMEM 3.x accepts for NVSHMEM_IBGDA_NIC_HANDLER and NVSHMEM_LIBFABRIC_PROVIDER.
 NIC_HANDLERS = ("auto", "gpu", "cpu", "cpu_host_memory")
 LIBFABRIC_PROVIDERS = ("cxi", "efa", "verbs")
+# How the low-latency combine's expert-side sums cross to the token's rank (low_latency_dispatch given
+# topk_weights): rounded to bf16 (half the bytes), or as fp32.
+EXPERT_SUMS_PARTIALS = ("bf16", "fp32")
 # NVSHMEM's IBGDA bounds on NVSHMEM_QP_DEPTH (NVSHMEMI_IBGDA_MIN/MAX_QP_DEPTH).
 QP_DEPTH_RANGE = (128, 32768)
 
@@ -66,6 +69,7 @@ class LowLatencySection:
     num_qps_per_rank: int = 24
     allow_nvlink: bool = True
     allow_mnnvl: bool = False
+    expert_sums_partials: str = "bf16"
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,8 @@ def _validate_section(source: Optional[str], name: str, value: Any):
                                                 minimum=1, maximum=1024)
         for sub in ("use_fp8", "round_scale", "use_ue8m0", "allow_nvlink", "allow_mnnvl"):
             merged[sub] = _check_bool(source, k(sub), merged[sub])
+        merged["expert_sums_partials"] = _check_choice(source, k("expert_sums_partials"),
+                                                       merged["expert_sums_partials"], EXPERT_SUMS_PARTIALS)
         if merged["use_ue8m0"] and not merged["round_scale"]:
             raise _fail(source, k("use_ue8m0"), "UE8M0 scales are powers of two: it needs round_scale: true")
         if merged["use_ue8m0"] and not merged["use_fp8"]:

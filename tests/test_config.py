@@ -210,6 +210,7 @@ ERRORS = [
      "only exist with use_fp8: true"),
     ("low_latency: {num_qps_per_rank: 0}", "low_latency.num_qps_per_rank", "must be >= 1"),
     ("low_latency: {num_experts: 0}", "low_latency.num_experts", "must be >= 1"),
+    ("low_latency: {expert_sums_partials: fp16}", "low_latency.expert_sums_partials", "expected one of bf16, fp32"),
     ("low_latency: {max_dispatch_tokens_per_rank: -1}", "low_latency.max_dispatch_tokens_per_rank", "must be >= 1"),
     ("low_latency: {allow_nvlink: 'no'}", "low_latency.allow_nvlink", "expected true or false"),
     ("low_latency: {use_fp8: 1}", "low_latency.use_fp8", "expected true or false"),

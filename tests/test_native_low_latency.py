@@ -8,10 +8,13 @@ every run (EP_TEST_SEED replays one), outputs poisoned before each call. Routing
 (recv_count, statistics) and copied payloads (bf16 rows, FP8 bytes, float and UE8M0 scales) must be
 bit-identical to the reference in every valid slot; combine results are compared with
 assert_close (the same fp32 products and sums in the same k order, so in practice they are equal).
-The `route_*` cases give the dispatch topk_weights (expert-side sums: one fp32 partial per (token,
-rank), added in rank order on the token side, so the combine is compared with assert_close's bf16
-tolerance). Separate launches check the device timeouts and the device error of ranks that
-disagree on topk_weights (each traps the CUDA context).
+The `route_*` cases give the dispatch topk_weights (expert-side sums: one partial per (token, rank),
+added in rank order on the token side). With `low_latency.expert_sums_partials: bf16` (the default,
+the main launch) each partial that crosses to a peer is rounded once to bf16, so the combine is held
+to the bound of that extra rounding (assert_combined); a second launch runs route cases with fp32
+partials against assert_close's bf16 tolerance. Separate launches check the device timeouts and the
+device errors of ranks that disagree on topk_weights or on the partials' dtype (each traps the CUDA
+context).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer
 from ep_plugin.launch import finish_rank, parallel_launch
-from ep_plugin.testing import raw_bytes
+from ep_plugin.testing import assert_within_bf16_partials_bound, raw_bytes
 from ep_plugin.tuning import get_low_latency_rdma_size_hint
 from native_helpers import capture_graph, multi_gpu_ranks, needs_ranks, poison_allocator
 
@@ -159,13 +162,15 @@ def compare_dispatch(got, want, use_fp8: bool) -> None:
 class Ctx:
     """One rank's buffers (native and reference, low-latency mode) and the run's seed."""
 
-    def __init__(self, rank: int, R: int, group, seed: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, rank: int, R: int, group, seed: int, timeout_s: float = 30.0, partials: str = "bf16") -> None:
         self.rank, self.R, self.group, self.seed = rank, R, group, seed
+        self.bf16_partials = partials == "bf16"  # low_latency.expert_sums_partials of the native buffer
         size = Buffer.get_low_latency_rdma_size_hint(T_MAX, MAX_HIDDEN, R, NUM_EXPERTS)
         # NOTE: transport nvlink (NVSHMEM_REMOTE_TRANSPORT=none, IBGDA off): both GPUs share NVLink, and
         # NVSHMEM then probes no NIC at start (low-latency mode's auto transport asks for IBGDA).
         self.native = Buffer(group, 0, size, low_latency_mode=True, explicitly_destroy=True,
-                             config={"backend": "native", "timeout_s": timeout_s, "transport": "nvlink"})
+                             config={"backend": "native", "timeout_s": timeout_s, "transport": "nvlink",
+                                     "low_latency": {"expert_sums_partials": partials}})
         self.reference = Buffer(group, 0, 0, low_latency_mode=True, explicitly_destroy=True,
                                 config={"backend": "reference"})
         assert self.native.backend_name == "native" and self.reference.backend_name == "reference"
@@ -201,6 +206,22 @@ def expert_outputs(ctx: Ctx, case_id: int, shape, counts: List[int]) -> torch.Te
     return out.masked_fill_(unused.unsqueeze(-1), float("nan"))
 
 
+def assert_combined(ctx: Ctx, got: torch.Tensor, expert_x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    want_handle, bf16_partials: bool) -> None:
+    """The native combine against the reference's. Token-side sums and fp32 partials differ from it only
+    in summation order: assert_close. With bf16 partials, each partial that crossed to a peer was rounded
+    once more: the bound of assert_within_bf16_partials_bound."""
+    want = ctx.reference.low_latency_combine(expert_x, ids, weights, want_handle)[0]
+    if not bf16_partials:
+        torch.testing.assert_close(got, want)
+        return
+    # NOTE: the dispatch's own weights tensor (a combine after a dispatch given topk_weights takes no other);
+    # they are drawn in [0, 1), so the combine of |x| is the bound's A.
+    assert bool((weights >= 0).all())
+    magnitude = ctx.reference.low_latency_combine(expert_x.abs(), ids, weights, want_handle)[0]
+    assert_within_bf16_partials_bound(got, want, magnitude)
+
+
 def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_MAX, H: int = 7168, K: int = 8,
             E: int = NUM_EXPERTS, routing: str = "random", use_fp8: bool = False, round_scale: bool = False,
             use_ue8m0: bool = False, hook: bool = False, zero_copy: bool = False, use_out: bool = False,
@@ -230,6 +251,7 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
                                               **kwargs)
     compare_dispatch(got, want, use_fp8)
     assert got[2].expert_sums == route, "2 GPUs on NVLink: expert-side sums exactly when the dispatch has weights"
+    assert got[2].bf16_partials == (route and ctx.bf16_partials)
     if stats:
         assert_same("cumulative_local_expert_recv_stats", stats_native, stats_reference)
 
@@ -250,11 +272,10 @@ def ll_case(ctx: Ctx, case_id: int, *, T: Optional[int] = None, t_max: int = T_M
                                                                zero_copy=zero_copy, return_recv_hook=hook, out=out)
     if hook:
         combine_hook()
-    want_combined, _, _ = ctx.reference.low_latency_combine(combine_x, combine_ids, weights, want[2])
     if use_out:
         assert combined is out
     assert combined.shape == (T, H) and combined.dtype == torch.bfloat16
-    torch.testing.assert_close(combined, want_combined)
+    assert_combined(ctx, combined, combine_x, combine_ids, weights, want[2], got[2].bf16_partials)
 
 
 def two_rounds_in_flight(ctx: Ctx, case_id: int) -> None:
@@ -308,9 +329,8 @@ def cuda_graph_replays(ctx: Ctx, case_id: int, replays: int, route: bool = False
         combined_s.fill_(float("nan"))
         graph.replay()
         compare_dispatch((recv_s, count_s), want, True)
-        want_combined, _, _ = ctx.reference.low_latency_combine(expert_s, ids, w, want[2])
         try:
-            torch.testing.assert_close(combined_s, want_combined)
+            assert_combined(ctx, combined_s, expert_s, ids, w, want[2], route and ctx.bf16_partials)
         except AssertionError as error:
             raise AssertionError(f"replay {i}: {error}") from None
     torch.cuda.synchronize()
@@ -450,11 +470,14 @@ def case_names() -> List[str]:
 CASE_NAMES = case_names()
 
 
-def low_latency_worker(rank: int, R: int, group, seed: int) -> Dict[str, Optional[str]]:
-    ctx = Ctx(rank, R, group, seed)
+def low_latency_worker(rank: int, R: int, group, seed: int, partials: str = "bf16",
+                       names: Optional[List[str]] = None) -> Dict[str, Optional[str]]:
+    """Runs the cases `names` (default: all) on buffers with low_latency.expert_sums_partials = `partials`."""
+    ctx = Ctx(rank, R, group, seed, partials=partials)
     cases = _cases(ctx)
     assert sorted(cases) == sorted(CASE_NAMES), "case_names() and _cases() must list the same cases"
-    results = run_each(cases, CASE_NAMES)
+    names = names or CASE_NAMES
+    results = run_each(cases, names)
     ctx.destroy()
     return results
 
@@ -470,6 +493,22 @@ def launch():
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_native_low_latency(launch, case):
     assert_case_passed(launch, case, f"EP_TEST_SEED={BASE_SEED}, {RANKS} ranks")
+
+
+# ---- expert-side sums with fp32 partials (low_latency.expert_sums_partials: fp32), a launch of its own --
+FP32_PARTIALS_CASES = ["route_bf16", "route_ue8m0_hook", "route_zero_copy_hook_out", "route_skewed",
+                       "route_minus_one", "route_topk32_small_e", "route_two_rounds", "route_cuda_graph_200_replays"]
+
+
+@pytest.fixture(scope="module")
+def launch_fp32_partials():
+    return parallel_launch(RANKS, low_latency_worker, BASE_SEED, "fp32", FP32_PARTIALS_CASES, timeout_s=150)
+
+
+@needs_gpus
+@pytest.mark.parametrize("case", FP32_PARTIALS_CASES)
+def test_native_low_latency_fp32_partials(launch_fp32_partials, case):
+    assert_case_passed(launch_fp32_partials, case, f"EP_TEST_SEED={BASE_SEED}, {RANKS} ranks, fp32 partials")
 
 
 # ---- a missing peer: the device wait times out and names rank, peer and expert ------------------------
@@ -511,17 +550,20 @@ def test_missing_peer_times_out_with_rank_peer_and_expert(op):
     assert "timeout" in message and "rank 0" in message and "peer 1" in message and what in message, message
 
 
-# ---- ranks that disagree on topk_weights: a device error naming rank and peer -------------------------
-def disagreeing_rank(rank: int, R: int, group) -> str:
-    ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0)
+# ---- ranks that disagree on topk_weights or on the partials: a device error naming rank and peer -----
+def disagreeing_rank(rank: int, R: int, group, on: str) -> str:
+    """Rank 0 passes topk_weights and the others not (`on="topk_weights"`), or every rank passes them and
+    rank 0 asks for bf16 partials, the others fp32 (`on="partials"`)."""
+    partials = "bf16" if rank == 0 or on != "partials" else "fp32"
+    ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0, partials=partials)
     x, ids, w = make_inputs(ctx, 1, 32, 2048, 4, 64, "random")
-    route = dict(topk_weights=w) if rank == 0 else {}
+    route = dict(topk_weights=w) if rank == 0 or on == "partials" else {}
     try:
         ctx.native.low_latency_dispatch(x, ids, 32, 64, **route)
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - the message is the point of the test
         message = str(error)
-        if "topk_weights" not in message:  # the CUDA error surfaced first: ask the runtime
+        if "got a dispatch from peer" not in message:  # the CUDA error surfaced first: ask the runtime
             try:
                 ctx.native._backend._ll.check_device_error()
             except Exception as detail:  # noqa: BLE001
@@ -532,8 +574,17 @@ def disagreeing_rank(rank: int, R: int, group) -> str:
 
 @needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
 def test_ranks_that_disagree_on_topk_weights_get_a_device_error():
-    results = parallel_launch(RANKS, disagreeing_rank, timeout_s=120)
+    results = parallel_launch(RANKS, disagreeing_rank, "topk_weights", timeout_s=120)
     assert "rank 0 got a dispatch from peer 1 that did not carry topk_weights while its own did" in results[0], \
         results[0]
     assert "rank 1 got a dispatch from peer 0 that carried topk_weights while its own did not" in results[1], \
         results[1]
+
+
+@needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
+def test_ranks_that_disagree_on_expert_sums_partials_get_a_device_error():
+    results = parallel_launch(RANKS, disagreeing_rank, "partials", timeout_s=120)
+    assert "rank 0 got a dispatch from peer 1 whose combine sends fp32 partials while its own sends bf16" \
+        in results[0], results[0]
+    assert "rank 1 got a dispatch from peer 0 whose combine sends bf16 partials while its own sends fp32" \
+        in results[1], results[1]

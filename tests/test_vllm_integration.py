@@ -217,6 +217,8 @@ def test_prepare_experts_finalize_match_dense_moe(registered, tmp_path, mode):
         assert facts["output_is_reduced"] is True and facts["supports_async"] is True
         assert facts["backend"] == "reference"
         if low_latency:
+            assert "must get the topk_ids, topk_weights and apply_router_weight_on_input of the matching prepare" \
+                in facts["finalize_mismatch_error"]
             assert "max_dispatch_tokens_per_rank" in facts["too_many_tokens_error"]
             assert f"up to {MAX_TOKENS + 1} tokens" in facts["too_many_tokens_error"]
         else:

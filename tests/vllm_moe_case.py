@@ -227,6 +227,20 @@ def _too_many_tokens_error(parallel, world_size: int, case: MoeCase, max_tokens:
     return None
 
 
+def _finalize_mismatch_error(pf, x, topk_ids, topk_weights, num_experts, expert_map, quant_config) -> Optional[str]:
+    """A low-latency finalize given other topk_weights than its prepare's: the error (None: none raised)."""
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+
+    a1q = pf.prepare(x, topk_weights, topk_ids, num_experts, expert_map, False, quant_config,
+                     defer_input_quant=False)[0]
+    try:
+        pf.finalize(torch.empty(x.shape, dtype=torch.bfloat16), torch.zeros(a1q.shape, dtype=torch.bfloat16),
+                    topk_weights.clone(), topk_ids, False, TopKWeightAndReduceDelegate())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def run_rank(rank: int, world_size: int, group, config_path: str, cases: List[MoeCase], max_tokens: int
              ) -> Dict[str, object]:
     """Run every case twice (through vLLM's FusedMoEKernel, and prepare/experts/finalize called directly).
@@ -280,6 +294,9 @@ def run_rank(rank: int, world_size: int, group, config_path: str, cases: List[Mo
                      num_dispatchers=pf.num_dispatchers(), output_is_reduced=pf.output_is_reduced(),
                      supports_async=pf.supports_async(), backend=pf.buffer.backend_name)
     facts["too_many_tokens_error"] = _too_many_tokens_error(parallel, world_size, cases[0], max_tokens)
+    if pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts:
+        facts["finalize_mismatch_error"] = _finalize_mismatch_error(pf, x, ids, weights, num_experts, expert_map,
+                                                                    quant_config)
     facts["num_buffers"] = manager.num_buffers
     manager.destroy()
     facts["num_buffers_after_destroy"] = manager.num_buffers

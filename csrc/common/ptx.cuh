@@ -57,6 +57,12 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* ptr) {
   return v;
 }
 
+__device__ __forceinline__ int2 ld_cg_v2(const int2* ptr) {
+  int2 v;
+  asm volatile("ld.global.cg.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ int ld_cg_s32(const int* ptr) {
   int v;
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");

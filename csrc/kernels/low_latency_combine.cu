@@ -14,11 +14,14 @@
 // resets them.
 //
 // Expert-side sums (the dispatch carried routes, see low_latency_layout.cuh): the expert side sends,
-// for each (source, token) pair it received, one fp32 partial: the sum over the token's columns
-// here, in k order, of weight * row. Every warp of the grid takes (pair, piece) items; each piece
+// for each (source, token) pair it received, one partial: the sum over the token's columns here, in
+// k order, of weight * row, in fp32; with bf16_partials a partial that goes to a peer is rounded to
+// bf16 (half the bytes again; a rank's own partial stays fp32). Every warp of the grid takes (pair, piece) items; each piece
 // adds 1 to the source's word of (token, this rank), and piece 0 announces how many there are. The
 // token side waits for the partial of every rank holding one of its experts and adds them in rank
 // order. The weights are the ones the dispatch carried.
+
+#include <type_traits>
 
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
@@ -112,31 +115,49 @@ __device__ void combine_send(const CombineArgs& a) {
 // Work items are (pair, piece): the dispatch's receive listed every (source, token) pair received
 // here; each partial is cut into pieces so that every warp of the grid has about one item, whatever
 // the token count (one warp per partial paid one memory latency per 32 units, one after another).
-// A lane sums quads (4 channels: 8 bytes of each bf16 row in, 16 bytes of fp32 out), so that each
-// store instruction of a warp writes 512 contiguous bytes into the peer: NVLink moves whole lines.
+// A lane sums units of kChannels channels and stores 16 bytes per unit: quads (4 channels, fp32
+// out) or, with bf16 partials, octets (8 channels, bf16 out). Each store instruction of a warp then
+// writes 512 contiguous bytes into the peer: NVLink moves whole lines (a 32-byte lane stride wrote
+// half lines and ran at about a third of the rate).
 constexpr int kSumBatch = 8;   // columns loaded before the first is summed
-constexpr int kSumQuads = 4;   // quads per lane and step: kSumBatch * kSumQuads loads in flight
 constexpr int kMaxPartialPieces = 32;
+
+// kChannels channels of a bf16 row: the load of one unit.
+template <int kChannels>
+struct Unit {
+  static_assert(kChannels == 4 || kChannels == 8, "a unit is a quad or an octet");
+  using Vec = std::conditional_t<kChannels == 4, int2, int4>;
+  static constexpr int kPerStep = 16 / kChannels;  // units per lane and step: kSumBatch * 16 loads in flight
+  static __device__ __forceinline__ Vec load(const Vec* ptr) {
+    if constexpr (kChannels == 4) return ld_nc_v2(ptr); else return ld_nc_v4(ptr);
+  }
+};
 
 __device__ __forceinline__ const RouteRecord* route_record(const CombineArgs& a, int src, int token) {
   return reinterpret_cast<const RouteRecord*>(a.round.data + a.layout.route_table_offset()) +
          static_cast<int64_t>(src) * a.layout.num_max_tokens + token;
 }
 
-// Pieces per partial: about one item per warp of the grid, each at least one quad per lane.
-__device__ __forceinline__ int partial_pieces(int num_pairs, int num_quads, int num_warps) {
-  const int wanted = num_pairs > 0 ? (num_warps + num_pairs - 1) / num_pairs : 1;
-  return max(1, min(min(wanted, kMaxPartialPieces), num_quads / 32));
+// Pieces per partial: at most one item per warp of the grid (rounded down: a warp given a second item
+// finishes a whole item after the others, and the token side waits for the last piece; 128 tokens on
+// 2 ranks had 192 such warps and ended 5 us later), each at least one unit per lane.
+__device__ __forceinline__ int partial_pieces(int num_pairs, int num_units, int num_warps) {
+  const int wanted = num_pairs > 0 ? max(1, num_warps / num_pairs) : 1;
+  return max(1, min(min(wanted, kMaxPartialPieces), num_units / 32));
 }
 
-// acc[q][0..4) += the weighted sum, in k order, of quads quad[q] (-1: none) of the rows of the
+// acc[q][0..kChannels) += the weighted sum, in k order, of units unit[q] (-1: none) of the rows of the
 // columns in `mask`. Each product and sum rounded to fp32 (no FMA contraction), as the reference
 // computes. NOTE: a batch's rows are loaded before any is summed; the sum stays in k order.
+template <int kChannels>
 __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRecord* record, uint32_t mask,
-                                            const int (&quad)[kSumQuads], float (&acc)[kSumQuads][4]) {
+                                            const int (&unit)[Unit<kChannels>::kPerStep],
+                                            float (&acc)[Unit<kChannels>::kPerStep][kChannels]) {
+  using Vec = typename Unit<kChannels>::Vec;
+  constexpr int kPerStep = Unit<kChannels>::kPerStep;
   const int64_t row_bytes = a.layout.row_bytes();
   while (mask != 0) {
-    int2 packed[kSumBatch][kSumQuads];
+    Vec packed[kSumBatch][kPerStep];
     float weight[kSumBatch];
     int n = 0;
 #pragma unroll
@@ -145,21 +166,21 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
       const int k = __ffs(mask) - 1;
       mask &= mask - 1;
       weight[j] = __ldg(record->weights + k);
-      const int2* row = reinterpret_cast<const int2*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
+      const Vec* row = reinterpret_cast<const Vec*>(static_cast<const uint8_t*>(a.x) + __ldg(record->rows + k) * row_bytes);
 #pragma unroll
-      for (int q = 0; q < kSumQuads; ++q)
-        if (quad[q] >= 0) packed[j][q] = ld_nc_v2(row + quad[q]);
+      for (int q = 0; q < kPerStep; ++q)
+        if (unit[q] >= 0) packed[j][q] = Unit<kChannels>::load(row + unit[q]);
       n = j + 1;
     }
 #pragma unroll
     for (int j = 0; j < kSumBatch; ++j) {
       if (j >= n) break;
 #pragma unroll
-      for (int q = 0; q < kSumQuads; ++q) {
-        if (quad[q] < 0) continue;
+      for (int q = 0; q < kPerStep; ++q) {
+        if (unit[q] < 0) continue;
         const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j][q]);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < kChannels / 2; ++i) {
           const float2 f = __bfloat1622float2(pairs[i]);
           acc[q][2 * i] = __fadd_rn(acc[q][2 * i], __fmul_rn(weight[j], f.x));
           acc[q][2 * i + 1] = __fadd_rn(acc[q][2 * i + 1], __fmul_rn(weight[j], f.y));
@@ -169,52 +190,72 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
   }
 }
 
+// Stores unit `unit` of a partial into `row`, a row of 4H bytes of combine_recv: a quad as fp32; an
+// octet as bf16 (row viewed as bf16 [H]), or as fp32 when `keep_fp32` (a rank's own partial: it never
+// crosses a link, so it keeps its precision).
+template <int kChannels>
+__device__ __forceinline__ void store_unit(int4* row, int unit, const float (&acc)[kChannels], bool keep_fp32) {
+  if constexpr (kChannels == 4) {
+    st_na_v4(row + unit, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                                   __float_as_int(acc[3])));
+  } else if (keep_fp32) {
+    st_na_v4(row + 2 * unit, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                                       __float_as_int(acc[3])));
+    st_na_v4(row + 2 * unit + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
+                                           __float_as_int(acc[7])));
+  } else {
+    st_na_v4(row + unit, to_bf16x8(acc));
+  }
+}
+
 // Sends piece `piece` of `pieces` of the partial of (src, token) into row (token, this rank) of src's
-// combine_recv, viewed as fp32 [T_max][R][H], and adds 1 to src's word of (token, this rank); piece 0
-// also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime allows
-// expert-side sums only then).
+// combine_recv, viewed as [T_max][R] rows of 4H bytes, and adds 1 to src's word of (token, this rank);
+// piece 0 also announces the piece count. Warp-collective; src is reachable by NVLink (the runtime
+// allows expert-side sums only then).
+template <int kChannels>
 __device__ void send_partial_piece(const CombineArgs& a, int src, int token, int piece, int pieces) {
+  constexpr int kPerStep = Unit<kChannels>::kPerStep;
   const LowLatencyLayout& layout = a.layout;
   const RouteRecord* record = route_record(a, src, token);
   const uint32_t mask = __ldg(&record->local_mask);
-  const int num_quads = layout.hidden / 4;
-  const int first_quad = piece * num_quads / pieces, end_quad = (piece + 1) * num_quads / pieces;
+  const int num_units = layout.hidden / kChannels;
+  const int first_unit = piece * num_units / pieces, end_unit = (piece + 1) * num_units / pieces;
   const int64_t partial_row = static_cast<int64_t>(token) * layout.num_ranks + a.rank;
   uint8_t* dst = a.round.data + layout.combine_recv_offset() + partial_row * 4 * layout.hidden;  // symmetric
   int4* peer_dst = static_cast<int4*>(nvshmem_ptr(dst, src));
-  for (int base = first_quad; base < end_quad; base += 32 * kSumQuads) {
-    int quad[kSumQuads];
-    float acc[kSumQuads][4];
+  const bool keep_fp32 = src == a.rank;
+  for (int base = first_unit; base < end_unit; base += 32 * kPerStep) {
+    int unit[kPerStep];
+    float acc[kPerStep][kChannels];
 #pragma unroll
-    for (int q = 0; q < kSumQuads; ++q) {
+    for (int q = 0; q < kPerStep; ++q) {
       const int candidate = base + q * 32 + lane_id();
-      quad[q] = candidate < end_quad ? candidate : -1;
+      unit[q] = candidate < end_unit ? candidate : -1;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+      for (int i = 0; i < kChannels; ++i) acc[q][i] = 0.0f;
     }
-    sum_columns(a, record, mask, quad, acc);
+    sum_columns<kChannels>(a, record, mask, unit, acc);
 #pragma unroll
-    for (int q = 0; q < kSumQuads; ++q) {
-      if (quad[q] < 0) continue;
-      st_na_v4(peer_dst + quad[q], make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
-                                             __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
-    }
+    for (int q = 0; q < kPerStep; ++q)
+      if (unit[q] >= 0) store_unit<kChannels>(peer_dst, unit[q], acc[q], keep_fp32);
   }
   publish_direct(a.round.combine_signals + partial_row, src,
                  piece == 0 ? count_signal(static_cast<uint32_t>(pieces)) + 1 : 1);
 }
 
 // Every warp of the grid takes (pair, piece) items in turn.
+template <int kChannels>
 __device__ void combine_send_sums(const CombineArgs& a) {
   const LowLatencyLayout& layout = a.layout;
   // Written by the dispatch's receive, an earlier kernel.
   const int num_pairs = static_cast<int>(ld_volatile_u32(&a.round.state->listed_pairs));
   const int num_warps = a.num_blocks * kWarps;
-  const int pieces = partial_pieces(num_pairs, layout.hidden / 4, num_warps);
+  const int pieces = partial_pieces(num_pairs, layout.hidden / kChannels, num_warps);
   const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
   for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
     const int pair = __ldg(pairs + item / pieces);
-    send_partial_piece(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces, pieces);
+    send_partial_piece<kChannels>(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces,
+                                  pieces);
   }
 }
 
@@ -322,6 +363,30 @@ __device__ void combine_recv(const CombineArgs& a) {
 // rank order in fp32, rounded to bf16. The waiting lane resets its word (its only reader).
 constexpr int kRecvBatch = 4;  // ranks' partials loaded before the first is added
 
+// Quad `quad` of rank r's partial in `rows` (the token's [R] rows of 4H bytes): fp32, or bf16 in the
+// row's first 2H bytes (a peer's partial with bf16_partials), widened into a 16-byte load result.
+__device__ __forceinline__ int4 load_partial_quad(const uint8_t* rows, int hidden, int r, int quad, bool as_bf16) {
+  const uint8_t* row = rows + static_cast<int64_t>(r) * 4 * hidden;
+  if (!as_bf16) return ld_cg_v4(reinterpret_cast<const int4*>(row) + quad);
+  const int2 packed = ld_cg_v2(reinterpret_cast<const int2*>(row) + quad);
+  return make_int4(packed.x, packed.y, 0, 0);
+}
+
+// acc[0..4) += the quad loaded by load_partial_quad.
+__device__ __forceinline__ void add_partial_quad(float (&acc)[4], const int4& loaded, bool as_bf16) {
+  float f[4];
+  if (as_bf16) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&loaded);
+    const float2 low = __bfloat1622float2(pairs[0]), high = __bfloat1622float2(pairs[1]);
+    f[0] = low.x, f[1] = low.y, f[2] = high.x, f[3] = high.y;
+  } else {
+    f[0] = __int_as_float(loaded.x), f[1] = __int_as_float(loaded.y);
+    f[2] = __int_as_float(loaded.z), f[3] = __int_as_float(loaded.w);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+}
+
 __device__ void combine_recv_sums(const CombineArgs& a) {
   __shared__ uint32_t token_ranks;
   const LowLatencyLayout& layout = a.layout;
@@ -351,30 +416,28 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     __syncthreads();
     if (token == blockIdx.x) EP_PHASE_MARK(2);
     const uint32_t ranks = token_ranks;
-    const int4* partials = reinterpret_cast<const int4*>(a.round.data + layout.combine_recv_offset() +
-                                                         static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden);
+    const uint8_t* rows = a.round.data + layout.combine_recv_offset() +
+                          static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden;
     int2* out = reinterpret_cast<int2*>(static_cast<uint8_t*>(a.out) + token * layout.row_bytes());
     for (int quad = threadIdx.x; quad < num_quads; quad += kThreads) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (uint32_t left = ranks; left != 0;) {
         // A batch of ranks' partials loaded before the first is added; the sum stays in rank order.
         int4 batch[kRecvBatch];
+        bool as_bf16[kRecvBatch];
         int n = 0;
 #pragma unroll
         for (int j = 0; j < kRecvBatch; ++j) {
           if (left == 0) break;
-          batch[j] = ld_cg_v4(partials + static_cast<int64_t>(__ffs(left) - 1) * num_quads + quad);
+          const int r = __ffs(left) - 1;
+          as_bf16[j] = a.bf16_partials && r != a.rank;
+          batch[j] = load_partial_quad(rows, layout.hidden, r, quad, as_bf16[j]);
           left &= left - 1;
           n = j + 1;
         }
 #pragma unroll
-        for (int j = 0; j < kRecvBatch; ++j) {
-          if (j >= n) break;
-          acc[0] = __fadd_rn(acc[0], __int_as_float(batch[j].x));
-          acc[1] = __fadd_rn(acc[1], __int_as_float(batch[j].y));
-          acc[2] = __fadd_rn(acc[2], __int_as_float(batch[j].z));
-          acc[3] = __fadd_rn(acc[3], __int_as_float(batch[j].w));
-        }
+        for (int j = 0; j < kRecvBatch; ++j)
+          if (j < n) add_partial_quad(acc, batch[j], as_bf16[j]);
       }
       int2 packed;
       __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
@@ -390,8 +453,10 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
   EP_PHASE_MARK(0);
   if (args.phases & kPhaseSend) {
-    if (args.expert_sums) {
-      combine_send_sums(args);
+    if (args.expert_sums && args.bf16_partials) {
+      combine_send_sums<8>(args);
+    } else if (args.expert_sums) {
+      combine_send_sums<4>(args);
     } else {
       combine_send(args);
     }

@@ -176,7 +176,7 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
       const int count = min(counts[j], layout.num_max_tokens);
       const int dst = expert / num_local, local = expert % num_local;
       announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
-                     count_signal(static_cast<uint32_t>(count), a.carry_route), dst);
+                     count_signal(static_cast<uint32_t>(count), route_mode(a.carry_route, a.bf16_partials)), dst);
     }
     sync_threads(kCountBarrier, kCountThreads);  // counts[] is zeroed again by the next pass
   }
@@ -297,6 +297,9 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       step_experts[g][k] = __ldg(a.topk_idx + static_cast<int64_t>(step.token(g, num_blocks)) * num_topk + k);
       step_slots[g][k] = 0;
     }
+    sync_threads(kSendBarrier, kSendThreads);  // step_experts is read by the count below
+    // The count and the cast are independent: one barrier after both (the count's loads are issued
+    // while the cast's stores drain).
     for (int g = 0; g < step.count; ++g) {
       const int token = step.token(g, num_blocks);
       uint8_t* payload = payloads + static_cast<int64_t>(token) * layout.payload_bytes();
@@ -307,7 +310,6 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       }
       if (a.carry_route) write_route(a, token, payload);
     }
-    sync_threads(kSendBarrier, kSendThreads);
     count_earlier_selections(a, step, step_experts, step_slots);
     // NOTE: every thread's part of the payloads is written, and every slot counted, before any warp
     // reads them to send.
@@ -402,11 +404,11 @@ __device__ void unpack_message(const DispatchArgs& a, int local, int src, int in
   }
 }
 
-// One lane: source `src` carried routes and this rank not, or the reverse. The combine could not
-// agree on its protocol: report and stop.
+// One lane: source `src` announced another RouteMode than this rank's (routes or not, fp32 or bf16
+// partials). The combine could not agree on its protocol: report both modes and stop.
 __device__ void report_route_mismatch(const DispatchArgs& a, int src, int expert, uint64_t word) {
   record_error(a.status, a.error_claim, kErrRouteMismatch, kOpLowLatencyDispatch, 0, a.rank, src, expert,
-               static_cast<int>(threadIdx.x / 32), a.carry_route, signal_has_route(word));
+               static_cast<int>(threadIdx.x / 32), route_mode(a.carry_route, a.bf16_partials), signal_route_mode(word));
   asm volatile("trap;");
 }
 
@@ -448,6 +450,7 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
     const int expert = a.rank * num_local + local;
     if (warp == 0) {
       const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyDispatch, a.rank, expert, 0};
+      const int own_mode = route_mode(a.carry_route, a.bf16_partials);
       int carry = 0;
       for (int first = 0; first < num_ranks; first += 32) {
         const int src = first + lane;
@@ -456,7 +459,7 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
           uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
           const uint64_t value = wait_signal(word, site, src);
           count = static_cast<int>(signal_expected(value));
-          if (signal_has_route(value) != (a.carry_route)) report_route_mismatch(a, src, expert, value);
+          if (signal_route_mode(value) != own_mode) report_route_mismatch(a, src, expert, value);
           // NOTE: reset once consumed. The sender adds to this word again only in the dispatch two
           // rounds later, which it issues after its combine of this round has received from this
           // rank, i.e. causally after this kernel ended.

@@ -33,9 +33,11 @@
 //
 // Expert-side sums (the dispatch was given topk_weights; every peer reachable by NVLink): a token's
 // payload also carries its top-k ids and weights (the route, kRouteBytes). The combine then sums, on
-// the expert side, each token's rows of the experts there (fp32, k order) and sends one fp32 partial
-// per (token, rank) into combine_recv, viewed as [T_max][R] rows of 4H bytes; the token side adds the
-// partials in rank order. Top-8 of 256 experts on 2 ranks: 128 tokens move 3.7 MB instead of 7.3 MB.
+// the expert side, each token's rows of the experts there (fp32, k order) and sends one partial per
+// (token, rank) into combine_recv, viewed as [T_max][R] rows of 4H bytes: fp32, or with bf16 partials
+// (announced in the dispatch's count words, see RouteMode) bf16 in the row's first 2H bytes when it
+// goes to a peer. The token side adds the partials in rank order. Top-8 of 256 experts on 2 ranks:
+// 128 tokens move 3.7 MB (fp32) or 1.8 MB (bf16) instead of 7.3 MB.
 #pragma once
 
 #include <cstdint>
@@ -88,17 +90,32 @@ constexpr int64_t kHeaderBytes = 2 * kRoundHeaderBytes;
 // additions commute, so the word is complete exactly when the finish bit is set and the arrivals
 // equal the announced count. The receiver resets the word to 0 once it has consumed the round.
 constexpr uint64_t kFinishBit = 1ull << 63;
-// Dispatch words only: set in a count announcement when the sender's payloads carry routes. Every
-// rank must agree (the receiver checks), since the combine's protocol follows from it.
+// Dispatch words only: set in a count announcement when the sender's payloads carry routes, and when
+// its combine will send bf16 partials. Every rank must agree (the receiver checks), since the
+// combine's protocol follows from them.
 constexpr uint64_t kRouteBit = 1ull << 62;
+constexpr uint64_t kBf16PartialsBit = 1ull << 61;
 
-__host__ __device__ constexpr uint64_t count_signal(uint32_t count, bool route = false) {
-  return kFinishBit | (route ? kRouteBit : 0) | (static_cast<uint64_t>(count) << 32);
+// How a rank's combine works after a dispatch, as announced in the dispatch's count words.
+enum RouteMode : int {
+  kTokenSideSums = 0,       // no route: rows go back per (token, expert), summed on the token side
+  kFp32Partials = 1,        // routes; expert-side sums sent as fp32 partials
+  kBf16Partials = 2,        // routes; partials that cross to a peer rounded to bf16
+};
+__host__ __device__ constexpr int route_mode(bool route, bool bf16_partials) {
+  return route ? (bf16_partials ? kBf16Partials : kFp32Partials) : kTokenSideSums;
+}
+
+__host__ __device__ constexpr uint64_t count_signal(uint32_t count, int mode = kTokenSideSums) {
+  return kFinishBit | (mode != kTokenSideSums ? kRouteBit : 0) | (mode == kBf16Partials ? kBf16PartialsBit : 0) |
+         (static_cast<uint64_t>(count) << 32);
 }
 __host__ __device__ constexpr uint32_t signal_expected(uint64_t word) {
-  return static_cast<uint32_t>(word >> 32) & 0x3fffffffu;
+  return static_cast<uint32_t>(word >> 32) & 0x1fffffffu;
 }
-__host__ __device__ constexpr bool signal_has_route(uint64_t word) { return (word & kRouteBit) != 0; }
+__host__ __device__ constexpr int signal_route_mode(uint64_t word) {
+  return route_mode((word & kRouteBit) != 0, (word & kBf16PartialsBit) != 0);
+}
 
 // What the combine's send needs of one (source rank, token) with expert-side sums.
 struct RouteRecord {
@@ -259,8 +276,10 @@ struct DispatchArgs {
   int32_t* recv_src_info;           // [E_local, R * T_max]: src_rank << 21 | (t * kMaxTopk + k)
   int64_t* recv_layout;             // [E_local, R]: first slot << 32 | count, per source rank
   int32_t* cumulative_stats;        // [E_local] or nullptr
-  // Expert-side sums: each payload carries its route (ids, these weights). Every rank must agree.
+  // Expert-side sums: each payload carries its route (ids, these weights), and the combine will send
+  // bf16 partials to peers (else fp32). Every rank must agree on both.
   bool carry_route;
+  bool bf16_partials;
   const float* topk_weights;        // [T, K] (with carry_route)
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
@@ -285,8 +304,10 @@ struct CombineArgs {
   int num_tokens, num_topk;
   void* out;                        // [T, H] bf16
   // The matching dispatch carried routes: the expert side sums each token's rows with the weights it
-  // received (topk_weights above is then unused) and sends one fp32 partial per (token, rank).
+  // received (topk_weights above is then unused) and sends one partial per (token, rank): fp32, or
+  // with bf16_partials rounded to bf16 when it goes to a peer (a rank's own partial stays fp32).
   bool expert_sums;
+  bool bf16_partials;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -121,6 +121,7 @@ class LowLatencyHandle:
     recv_src_info: torch.Tensor          # [E_local, R * T_max] int32: src_rank << 21 | (t * 32 + k)
     recv_layout: torch.Tensor            # [E_local, R] int64: first slot << 32 | count, per source rank
     expert_sums: bool = False            # the payloads carried routes: the combine sums on the expert side
+    bf16_partials: bool = False          # ... and sends its partials to peers as bf16 (else fp32)
     combine_buffer: Optional[torch.Tensor] = field(default=None)
     dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
@@ -800,6 +801,8 @@ class NativeBackend(Backend):
         # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
         expert_sums = topk_weights is not None and runtime.supports_expert_sums(
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=H, num_experts=num_experts)
+        # Fixed here, so that the dispatch announces it (ranks must agree) and its combine follows it.
+        bf16_partials = expert_sums and self.settings.low_latency.expert_sums_partials == "bf16"
 
         def launch(phases: int) -> None:
             runtime.dispatch(parity=parity, phases=phases,
@@ -809,14 +812,16 @@ class NativeBackend(Backend):
                              recv_x=_address(data), recv_scales=_address(scales), recv_count=_address(recv_count),
                              recv_src_info=_address(recv_src_info), recv_layout=_address(recv_layout),
                              cumulative_local_expert_recv_stats=_address(cumulative_local_expert_recv_stats),
-                             carry_route=expert_sums, route_weights=_address(topk_weights) if expert_sums else 0,
+                             carry_route=expert_sums, bf16_partials=bf16_partials,
+                             route_weights=_address(topk_weights) if expert_sums else 0,
                              stream=self._stream())
 
         self._launch_phases(launch, return_recv_hook)
         handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                   num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
-                                  recv_layout=recv_layout, expert_sums=expert_sums)
+                                  recv_layout=recv_layout, expert_sums=expert_sums,
+                                  bf16_partials=bf16_partials)
         hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
         return recv_x, recv_count, handle, hook
 
@@ -852,6 +857,7 @@ class NativeBackend(Backend):
                             recv_src_info=_address(handle.recv_src_info), recv_layout=_address(handle.recv_layout),
                             topk_idx=_address(topk_idx), topk_weights=_address(topk_weights), num_tokens=T,
                             num_topk=K, out=_address(combined), expert_sums=handle.expert_sums,
+                            bf16_partials=handle.bf16_partials,
                             stream=self._stream())
 
         self._launch_phases(launch, return_recv_hook)

@@ -8,7 +8,9 @@ experts' weight-and-reduce, then `combine` sums each token's per-rank partials.
 
 Low-latency mode (`EpPluginLowLatencyPrepareAndFinalize`, `BatchedExperts`): each (token, expert)
 pair goes into its expert's slot, `[E_local, R * T_max, H]`, FP8-quantised in flight for [128, 128]
-block quantisation; finalize's `low_latency_combine` weights and reduces on the way back.
+block quantisation; finalize's `low_latency_combine` weights and reduces on the way back. The weights
+travel with the dispatch (`low_latency_dispatch(topk_weights=...)`), so that where every peer is on
+NVLink the native combine sums on the expert side and returns one partial per (token, rank).
 
 Carried activations: unquantised bf16, and FP8 e4m3 with one float32 scale per 128 channels (vLLM's
 [*, 128] block quantisation). Any other scheme is rejected when the layer is built.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -236,6 +239,36 @@ class EpPluginPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
         return rows.sum(dim=1).to(torch.bfloat16)
 
 
+@dataclass
+class _Route:
+    """What a low-latency prepare dispatched with: vLLM's topk tensors (and their versions) and the int64
+    ids / float32 weights made of them. The combine must get the dispatch's own ids and weights, so
+    finalize reuses these, after checking that vLLM handed it the same, unmodified tensors (its modular
+    kernel passes prepare's topk_ids and topk_weights on to finalize)."""
+    source_ids: torch.Tensor
+    source_weights: torch.Tensor
+    versions: Tuple[int, int]
+    weights_on_input: bool
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+    @classmethod
+    def of(cls, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights_on_input: bool) -> "_Route":
+        # Weights applied to the input already: the combine adds the experts' outputs unweighted.
+        weights = torch.ones_like(topk_weights, dtype=torch.float32) if weights_on_input \
+            else topk_weights.to(torch.float32)
+        return cls(topk_ids, topk_weights, (topk_ids._version, topk_weights._version), weights_on_input,
+                   topk_ids.to(torch.int64), weights)
+
+    def check_same(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights_on_input: bool) -> None:
+        if (topk_ids is not self.source_ids or topk_weights is not self.source_weights
+                or (topk_ids._version, topk_weights._version) != self.versions
+                or weights_on_input != self.weights_on_input):
+            raise ValueError("ep_plugin's low-latency finalize must get the topk_ids, topk_weights and "
+                             "apply_router_weight_on_input of the matching prepare, unmodified: the dispatch sent "
+                             "the weights with the tokens")
+
+
 class EpPluginLowLatencyPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
     """Low-latency mode: `Buffer.low_latency_dispatch` / `low_latency_combine`, BatchedExperts format.
 
@@ -286,11 +319,14 @@ class EpPluginLowLatencyPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
         transport = self._transport_for(quant_config, defer_input_quant)
         in_flight = transport == BLOCK_FP8 and self.fp8_in_flight
         x = _weighted_inputs(a1, topk_weights, apply_router_weight_on_input)
+        route = _Route.of(topk_ids, topk_weights, apply_router_weight_on_input)
+        # The weights go with the dispatch: where every peer is on NVLink the combine then sums on the
+        # expert side (low_latency.expert_sums_partials) and moves a fraction of the bytes.
         recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
-            x, topk_ids.to(torch.int64), self.max_tokens_per_rank, num_experts, use_fp8=in_flight,
+            x, route.ids, self.max_tokens_per_rank, num_experts, use_fp8=in_flight,
             round_scale=in_flight and self.round_scale, use_ue8m0=in_flight and self.use_ue8m0,
-            return_recv_hook=True)
-        self._handle = handle
+            return_recv_hook=True, topk_weights=route.weights)
+        self._handle = (handle, route)
 
         def receive() -> mk.PrepareResultType:
             if in_flight:
@@ -316,13 +352,12 @@ class EpPluginLowLatencyPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
                              f"{type(weight_and_reduce_impl).__name__}")
         if self._handle is None:
             raise RuntimeError("finalize without a preceding prepare")
-        handle, self._handle = self._handle, None
+        (handle, route), self._handle = self._handle, None
         _require_bf16("the experts' output", fused_expert_output)
-        weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
-            else topk_weights.to(torch.float32)
+        route.check_same(topk_ids, topk_weights, apply_router_weight_on_input)
         direct = output.dtype == torch.bfloat16 and output.is_contiguous()
         combined, _, hook = self.buffer.low_latency_combine(
-            fused_expert_output, topk_ids.to(torch.int64), weights, handle, return_recv_hook=True,
+            fused_expert_output, route.ids, route.weights, handle, return_recv_hook=True,
             out=output if direct else None)
 
         def receive() -> None:
