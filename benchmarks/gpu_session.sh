@@ -20,7 +20,8 @@
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
-#              `timeouts`), then benchmarks/bench_low_latency.py
+#              `timeouts`), then benchmarks/bench_low_latency.py, then again at 1/128/256 tokens with fp32
+#              expert-sums partials (LL_FP32_PARTIALS=0 skips it)
 #   internode  native internode tests on the emulated topology (2 nodes x 1 GPU; INTERNODE_TESTS=0
 #              skips them), then an emulated bench, direct (NVLink stores) and EP_PLUGIN_NETWORK_PUTS=1
 #   megatron   Megatron GPU tests (MEGATRON_TESTS=0 skips them) and the layer benchmark at MEGATRON_RANKS (default 2)

@@ -520,7 +520,7 @@ class Buffer:
             [x, topk_idx, cumulative_local_expert_recv_stats, topk_weights], None, async_finish, False)
         recv_x, recv_count, handle, hook = outputs
         if topk_weights is not None:
-            handle.dispatch_route = DispatchRoute(route_idx, topk_weights, route_idx._version, topk_weights._version)
+            handle.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
         return recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

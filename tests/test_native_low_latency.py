@@ -511,6 +511,19 @@ def test_native_low_latency_fp32_partials(launch_fp32_partials, case):
     assert_case_passed(launch_fp32_partials, case, f"EP_TEST_SEED={BASE_SEED}, {RANKS} ranks, fp32 partials")
 
 
+# ---- launches that end in a device trap ---------------------------------------------------------------
+def report_device_error(ctx: Ctx, error: Exception, expected: str) -> None:
+    """Ends this rank with the device's report: `error`'s message if it holds `expected`, else (the CUDA
+    error surfaced first) the runtime's description of the device error."""
+    message = str(error)
+    if expected not in message:
+        try:
+            ctx.native._backend._ll.check_device_error()
+        except Exception as detail:  # noqa: BLE001 - the message is the point of the test
+            message = str(detail)
+    finish_rank(message)  # the context is stopped: end before any tensor is freed
+
+
 # ---- a missing peer: the device wait times out and names rank, peer and expert ------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0)
@@ -530,13 +543,7 @@ def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
             ctx.native.low_latency_combine(out, ids, w, handle)
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - the message is the point of the test
-        message = str(error)
-        if "waited for peer" not in message:  # the CUDA error surfaced first: ask the runtime
-            try:
-                ctx.native._backend._ll.check_device_error()
-            except Exception as detail:  # noqa: BLE001
-                message = str(detail)
-        finish_rank(message)  # the context is stopped: end before any tensor is freed
+        report_device_error(ctx, error, "waited for peer")
     return "no error"
 
 
@@ -562,13 +569,7 @@ def disagreeing_rank(rank: int, R: int, group, on: str) -> str:
         ctx.native.low_latency_dispatch(x, ids, 32, 64, **route)
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - the message is the point of the test
-        message = str(error)
-        if "got a dispatch from peer" not in message:  # the CUDA error surfaced first: ask the runtime
-            try:
-                ctx.native._backend._ll.check_device_error()
-            except Exception as detail:  # noqa: BLE001
-                message = str(detail)
-        finish_rank(message)  # the context is stopped: end before any tensor is freed
+        report_device_error(ctx, error, "got a dispatch from peer")
     return "no error"
 
 

@@ -16,8 +16,9 @@
 // Expert-side sums (the dispatch carried routes, see low_latency_layout.cuh): the expert side sends,
 // for each (source, token) pair it received, one partial: the sum over the token's columns here, in
 // k order, of weight * row, in fp32; with bf16_partials a partial that goes to a peer is rounded to
-// bf16 (half the bytes again; a rank's own partial stays fp32). Every warp of the grid takes (pair, piece) items; each piece
-// adds 1 to the source's word of (token, this rank), and piece 0 announces how many there are. The
+// bf16 (half the bytes again; a rank's own partial stays fp32). Every warp of the grid takes (pair,
+// piece) items; each piece adds 1 to the source's word of (token, this rank), and piece 0 announces
+// how many there are. The
 // token side waits for the partial of every rank holding one of its experts and adds them in rank
 // order. The weights are the ones the dispatch carried.
 
@@ -193,16 +194,17 @@ __device__ __forceinline__ void sum_columns(const CombineArgs& a, const RouteRec
 // Stores unit `unit` of a partial into `row`, a row of 4H bytes of combine_recv: a quad as fp32; an
 // octet as bf16 (row viewed as bf16 [H]), or as fp32 when `keep_fp32` (a rank's own partial: it never
 // crosses a link, so it keeps its precision).
+__device__ __forceinline__ int4 float4_bits(const float* f) {
+  return make_int4(__float_as_int(f[0]), __float_as_int(f[1]), __float_as_int(f[2]), __float_as_int(f[3]));
+}
+
 template <int kChannels>
 __device__ __forceinline__ void store_unit(int4* row, int unit, const float (&acc)[kChannels], bool keep_fp32) {
   if constexpr (kChannels == 4) {
-    st_na_v4(row + unit, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                                   __float_as_int(acc[3])));
+    st_na_v4(row + unit, float4_bits(acc));
   } else if (keep_fp32) {
-    st_na_v4(row + 2 * unit, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                                       __float_as_int(acc[3])));
-    st_na_v4(row + 2 * unit + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
-                                           __float_as_int(acc[7])));
+    st_na_v4(row + 2 * unit, float4_bits(acc));
+    st_na_v4(row + 2 * unit + 1, float4_bits(acc + 4));
   } else {
     st_na_v4(row + unit, to_bf16x8(acc));
   }

@@ -56,6 +56,10 @@ class DispatchRoute:
     idx_version: int
     weights_version: int
 
+    @classmethod
+    def of(cls, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> "DispatchRoute":
+        return cls(topk_idx, topk_weights, topk_idx._version, topk_weights._version)
+
 
 LowLatencyDispatchOutput = Tuple[object, torch.Tensor, object, Optional[Callable[[], None]]]
 

@@ -29,7 +29,9 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoE
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
 from ep_plugin import Buffer, EpConfig, fp8, load_config
+from ep_plugin.backends.base import DispatchRoute
 from ep_plugin.config import CONFIG_ENV_VAR
+from ep_plugin.validation import check_dispatch_route
 
 from .manager import EpPluginAll2AllManager
 
@@ -241,13 +243,11 @@ class EpPluginPrepareAndFinalize(_EpPluginPrepareFinalizeBase):
 
 @dataclass
 class _Route:
-    """What a low-latency prepare dispatched with: vLLM's topk tensors (and their versions) and the int64
-    ids / float32 weights made of them. The combine must get the dispatch's own ids and weights, so
-    finalize reuses these, after checking that vLLM handed it the same, unmodified tensors (its modular
-    kernel passes prepare's topk_ids and topk_weights on to finalize)."""
-    source_ids: torch.Tensor
-    source_weights: torch.Tensor
-    versions: Tuple[int, int]
+    """What a low-latency prepare dispatched with: vLLM's topk tensors (`source`) and the int64 ids /
+    float32 weights made of them. The combine must get the dispatch's own ids and weights, so finalize
+    reuses these, after checking that vLLM handed it the same, unmodified tensors (its modular kernel
+    passes prepare's topk_ids and topk_weights on to finalize)."""
+    source: DispatchRoute
     weights_on_input: bool
     ids: torch.Tensor
     weights: torch.Tensor
@@ -257,13 +257,15 @@ class _Route:
         # Weights applied to the input already: the combine adds the experts' outputs unweighted.
         weights = torch.ones_like(topk_weights, dtype=torch.float32) if weights_on_input \
             else topk_weights.to(torch.float32)
-        return cls(topk_ids, topk_weights, (topk_ids._version, topk_weights._version), weights_on_input,
-                   topk_ids.to(torch.int64), weights)
+        return cls(DispatchRoute.of(topk_ids, topk_weights), weights_on_input, topk_ids.to(torch.int64), weights)
 
     def check_same(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights_on_input: bool) -> None:
-        if (topk_ids is not self.source_ids or topk_weights is not self.source_weights
-                or (topk_ids._version, topk_weights._version) != self.versions
-                or weights_on_input != self.weights_on_input):
+        try:
+            check_dispatch_route(self.source, topk_ids, topk_weights)
+            same = weights_on_input == self.weights_on_input
+        except ValueError:
+            same = False
+        if not same:
             raise ValueError("ep_plugin's low-latency finalize must get the topk_ids, topk_weights and "
                              "apply_router_weight_on_input of the matching prepare, unmodified: the dispatch sent "
                              "the weights with the tokens")
