@@ -18,6 +18,9 @@
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, reference + P2P in the same run, then
 #              BF16 at 24 SMs with the combine on the SMs only (buffer.combine_staging_tokens: 0)
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
+#   probe      benchmarks/link_probe.cu: the link by copy engine (push, pull) and by SM stores and loads
+#   variants   one bench run (BF16, 24 SMs, no baseline) per line of VARIANTS: "name|ENV=value ...|bench args"
+#              (the diagnostics EP_PLUGIN_DISPATCH_UNROLL and EP_PLUGIN_COMBINE_COPY_PIECES, or --config FILE)
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
 #              `timeouts`), then benchmarks/bench_low_latency.py, then again at 1/128/256 tokens with fp32
@@ -190,6 +193,17 @@ for s in $STAGES; do
         --out-dir "$OUT/results_dir/timeline_4096"
       stage profile timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_timeline.py ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} --tokens 128 \
         --out-dir "$OUT/results_dir/timeline_128"
+      ;;
+    probe)  # what the link carries by who moves the bytes (benchmarks/link_probe.cu)
+      stage probe nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/link_probe.cu && \
+        stage probe /tmp/link_probe
+      ;;
+    variants)  # BF16, 24 SMs: each VARIANTS entry "name|ENV=value ...|bench args" as its own bench run
+      while IFS='|' read -r name envs args; do
+        [ -z "$name" ] && continue
+        ( [ -n "$envs" ] && export $envs; echo "variant $name: ${envs:-no overrides} $args" >> "$summary"
+          bench "variant_$name" --num-sms 24 --dtype bf16 --no-baseline --warmup 3 --iters 20 $args )
+      done <<< "${VARIANTS:-}"
       ;;
     sweeps)
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --warmup 2 --iters 10 --plot "$OUT/results_dir/sweep_sms.png"

@@ -177,6 +177,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_TOPK") = intranode::kMaxTopk;
   m.attr("WARPS_PER_CHANNEL") = intranode::kWarpsPerChannel;
   m.attr("SLOT_META_BYTES") = intranode::kSlotMetaBytes;
+  m.attr("SLOT_PAYLOAD_OFFSET") = intranode::kSlotPayloadOffset;
   m.attr("NVL_HEADER_BYTES") = intranode::kHeaderBytes;
   m.attr("STAGING_ROWS_PER_PIECE") = intranode::kStagingRowsPerPiece;
   m.attr("MAX_STAGING_SLOTS") = intranode::kMaxStagingSlots;

@@ -79,9 +79,25 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
       found != cudaDriverEntryPointSuccess)
     write_value64_ = nullptr;
   (void)cudaGetLastError();
+  read_tuning_overrides();
   if (staging_bytes > 0) preload_staged_combine();
   CUDA_CHECK(cudaDeviceSynchronize());
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
+}
+
+void IntranodeRuntime::read_tuning_overrides() {
+  if (const char* unroll = std::getenv("EP_PLUGIN_DISPATCH_UNROLL")) dispatch_copy_unroll_ = std::atoi(unroll);
+  if (const char* self = std::getenv("EP_PLUGIN_DISPATCH_SELF")) dispatch_self_by_receiver_ = std::string(self) == "receiver";
+  if (const char* pieces = std::getenv("EP_PLUGIN_COMBINE_COPY_PIECES")) {
+    combine_copy_pieces_.clear();
+    for (const char* p = pieces; *p != '\0';) {
+      char* end = nullptr;
+      const long value = std::strtol(p, &end, 10);
+      EP_CHECK_ARG(end != p && value >= 1, "EP_PLUGIN_COMBINE_COPY_PIECES must list positive integers, got " << pieces);
+      combine_copy_pieces_.push_back(static_cast<int>(value));
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
 }
 
 void IntranodeRuntime::watch_for_device_errors() {
@@ -191,6 +207,8 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
                                      intranode::slots_per_sub_ring(args.recv_tokens_per_channel),
                                      intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
   require_buffer_fits(layout.total_bytes(), "dispatch");
+  args.copy_unroll = dispatch_copy_unroll_;
+  args.self_copy_by_receiver = dispatch_self_by_receiver_;
   intranode::launch_dispatch(args, stream);
 }
 
@@ -308,13 +326,19 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t num_pieces = (rows + layout.rows_per_piece - 1) / layout.rows_per_piece;
-  for (int64_t piece = 0; piece < num_pieces; ++piece) {
+  for (int64_t piece = 0, copy = 0; piece < num_pieces; ++copy) {
     const int slot = static_cast<int>(piece % layout.num_slots);
-    if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
+    // One copy carries consecutive pieces while their slots are fresh and do not wrap; a reused slot
+    // goes alone, once the owner has summed its previous piece.
+    int64_t pieces = 1;
+    if (piece >= layout.num_slots) {
       wait_for_owner(&mine->staged_freed[owner][slot],
                      staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
+    } else {
+      pieces = std::min<int64_t>({pieces_in_copy(copy, num_pieces), num_pieces - piece, layout.num_slots - slot});
+    }
     const int64_t row = first + piece * layout.rows_per_piece;
-    const int64_t count = std::min<int64_t>(layout.rows_per_piece, rows - piece * layout.rows_per_piece);
+    const int64_t count = std::min<int64_t>(pieces * layout.rows_per_piece, rows - piece * layout.rows_per_piece);
     const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                                count * row_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -322,9 +346,18 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
       CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
                                  args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
                                  cudaMemcpyDeviceToDevice, stream));
-    // Pieces land in order on this one stream: the owner counts them.
-    write_word(&theirs->staged_landed[rank_], staged_word(epoch, static_cast<uint32_t>(piece + 1)), stream);
+    piece += pieces;
+    // Copies land in order on this one stream: the owner counts the rows landed.
+    write_word(&theirs->staged_landed[rank_],
+               staged_word(epoch, static_cast<uint32_t>(std::min<int64_t>(rows, piece * layout.rows_per_piece))), stream);
   }
+}
+
+int64_t IntranodeRuntime::pieces_in_copy(int64_t copy, int64_t num_pieces) const {
+  if (!combine_copy_pieces_.empty())
+    return combine_copy_pieces_[std::min<size_t>(copy, combine_copy_pieces_.size() - 1)];
+  (void)num_pieces;
+  return 1;
 }
 
 void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,

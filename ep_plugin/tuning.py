@@ -16,6 +16,8 @@ MAX_TOPK = 32                  # top-k carried per token
 MAX_LOCAL_EXPERTS = 1024       # experts per rank reported by the notify step
 WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring each
 SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
+SLOT_LINE_BYTES = 128          # payloads start, and slots end, on whole 128-byte lines
+SLOT_PAYLOAD_OFFSET = 384      # SLOT_META_BYTES rounded up to a line
 NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
 # The copy-engine combine's staging area (StagingLayout): per peer, up to 64 slots of 512-row pieces;
 # a row is its bf16 hidden plus room for MAX_TOPK float weights.
@@ -56,7 +58,7 @@ def slots_per_sub_ring(num_max_nvl_chunked_recv_tokens: int) -> int:
 
 
 def nvl_slot_bytes(payload_bytes: int) -> int:
-    return SLOT_META_BYTES + _align(payload_bytes, 16)
+    return SLOT_PAYLOAD_OFFSET + _align(payload_bytes, SLOT_LINE_BYTES)
 
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine where it has run on GPUs (2 ranks

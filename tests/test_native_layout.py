@@ -16,6 +16,7 @@ def test_limits_match_the_extension():
     assert tuning.MAX_LOCAL_EXPERTS == _C.MAX_LOCAL_EXPERTS
     assert tuning.WARPS_PER_CHANNEL == _C.WARPS_PER_CHANNEL
     assert tuning.SLOT_META_BYTES == _C.SLOT_META_BYTES
+    assert tuning.SLOT_PAYLOAD_OFFSET == _C.SLOT_PAYLOAD_OFFSET
     assert tuning.NVL_HEADER_BYTES == _C.NVL_HEADER_BYTES
     assert tuning.STAGING_ROWS_PER_PIECE == _C.STAGING_ROWS_PER_PIECE
     assert tuning.MAX_STAGING_SLOTS == _C.MAX_STAGING_SLOTS

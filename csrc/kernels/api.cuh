@@ -68,6 +68,8 @@ struct DispatchArgs {
   int32_t* recv_src_idx;            // [rows] or nullptr
   int num_worst_tokens;             // > 0: rows past *num_recv_tokens are padding
   const int32_t* num_recv_tokens;   // [1]
+  int copy_unroll;                  // 16-byte units in flight per lane in the row copies (8 or 16)
+  bool self_copy_by_receiver;       // this rank's own rows: copied by the receiver blocks (else the senders)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

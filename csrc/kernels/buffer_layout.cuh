@@ -3,7 +3,7 @@
 //
 // [ Header (kHeaderBytes) | rings written by peer 0 | ... by peer R-2 ] ... [ staging (optional) ]
 // Rings: for each writing peer, channel and warp one sub-ring of `slots` slots; a slot is
-// [ SlotMeta (272 B) | payload: row bytes, then float scales ].
+// [ SlotMeta (272 B, padded to 384) | payload: row bytes, then float scales, padded to 128 B ].
 // Staging (copy-engine combine, past num_nvl_bytes): for each writing peer, `num_slots` pieces of
 // `rows_per_piece` bf16 rows, then the same pieces' top-k weights (see StagingLayout).
 #pragma once
@@ -33,6 +33,10 @@ struct SlotMeta {
 };
 constexpr int kSlotMetaBytes = sizeof(SlotMeta);
 static_assert(kSlotMetaBytes == 272, "SlotMeta must stay 272 bytes (mirrored in ep_plugin/tuning.py)");
+// Payloads start and slots end on 128-byte lines: a warp's 512-byte store then fills four whole lines
+// over NVLink, where a row 16 bytes off them touched five, two of them in part.
+constexpr int kSlotLineBytes = 128;
+constexpr int kSlotPayloadOffset = (kSlotMetaBytes + kSlotLineBytes - 1) / kSlotLineBytes * kSlotLineBytes;
 
 // What each rank writes into every peer's header during notify.
 struct NotifyBlock {
@@ -54,7 +58,7 @@ struct Header {
   // Written by the copy streams of sender src, into this (the owner's) header:
   uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
   uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
-  uint64_t staged_landed[kMaxNvlPeers];                   // [src]: pieces src has copied here (in order)
+  uint64_t staged_landed[kMaxNvlPeers];                   // [src]: rows src has copied here (in order)
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
   uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
@@ -76,7 +80,7 @@ __host__ __device__ constexpr int slots_per_sub_ring(int recv_tokens_per_channel
 }
 
 __host__ __device__ constexpr int64_t slot_bytes_for(int64_t payload_bytes) {
-  return kSlotMetaBytes + align16(payload_bytes);
+  return kSlotPayloadOffset + (payload_bytes + kSlotLineBytes - 1) / kSlotLineBytes * kSlotLineBytes;
 }
 
 __host__ __device__ constexpr uint64_t pack_counter(uint32_t epoch, uint32_t count, bool done) {

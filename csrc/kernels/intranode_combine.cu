@@ -23,7 +23,7 @@ __device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout&
   const int lane = lane_id();
   uint8_t* slot = static_cast<uint8_t*>(
       shfl_ptr(lane == owner ? ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes : nullptr, owner));
-  warp_copy_bytes<Load::kReadOnly>(slot + kSlotMetaBytes,
+  warp_copy_bytes<Load::kReadOnly>(slot + kSlotPayloadOffset,
                                    static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2,
                                    2LL * a.hidden);
   if (a.num_topk > 0 && lane < a.num_topk)
@@ -174,7 +174,7 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
           src[r] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2);
           src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
         } else {
-          src[r] = reinterpret_cast<const int4*>(slot + kSlotMetaBytes);
+          src[r] = reinterpret_cast<const int4*>(slot + kSlotPayloadOffset);
           src_weights[r] = reinterpret_cast<const SlotMeta*>(slot)->topk_weights;
         }
       }

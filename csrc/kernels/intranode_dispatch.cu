@@ -15,6 +15,13 @@
 namespace ep_plugin::intranode {
 namespace {
 
+// Expert `expert` as rank r's local id, or -1 when rank r does not hold it.
+__device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int num_local_experts) {
+  const int64_t local = expert - static_cast<int64_t>(r) * num_local_experts;
+  return expert >= 0 && local >= 0 && local < num_local_experts ? static_cast<int32_t>(local) : -1;
+}
+
+template <int kUnroll>
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                 int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -43,7 +50,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int next_pos = load_pos(token_begin + warp);
   for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
-    const int pos = next_pos;
+    const int pos = a.self_copy_by_receiver && lane == a.rank ? -1 : next_pos;
     next_pos = load_pos(t + kWarpsPerChannel);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dst_mask == 0) continue;
@@ -78,11 +85,11 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
       dst[r] = nullptr;
       if (r < R && (dst_mask >> r & 1u))
         dst[r] = r == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(self_row) * a.row_bytes
-                             : remote + kSlotMetaBytes;
+                             : remote + kSlotPayloadOffset;
     }
     const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                         static_cast<int64_t>(t) * a.row_bytes);
-    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, num_units);
+    warp_copy_units_to_all<Load::kReadOnly, kUnroll>(dst, src_row, num_units);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for (int i = lane; i < a.num_scales; i += 32) {
@@ -100,15 +107,14 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r) {
         if (dst[r] == nullptr) continue;
-        const int64_t local = expert - static_cast<int64_t>(r) * a.num_local_experts;
-        const int32_t local_id = expert >= 0 && local >= 0 && local < a.num_local_experts ? static_cast<int32_t>(local) : -1;
+        const int32_t local_id = local_expert_id(expert, r, a.num_local_experts);
         const float local_weight = local_id >= 0 ? weight : 0.f;
         if (r == a.rank) {
           a.recv_topk_idx[static_cast<int64_t>(self_row) * a.num_topk + lane] = local_id;
           if (a.recv_topk_weights != nullptr)
             a.recv_topk_weights[static_cast<int64_t>(self_row) * a.num_topk + lane] = local_weight;
         } else {
-          SlotMeta* meta = reinterpret_cast<SlotMeta*>(dst[r] - kSlotMetaBytes);
+          SlotMeta* meta = reinterpret_cast<SlotMeta*>(dst[r] - kSlotPayloadOffset);
           meta->topk_idx[lane] = local_id;
           meta->topk_weights[lane] = local_weight;
         }
@@ -141,14 +147,16 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   }
 }
 
+template <int kUnroll>
 __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot) {
   const int lane = lane_id();
   const SlotMeta* meta = reinterpret_cast<const SlotMeta*>(slot);
   const int row = ld_cg_s32(&meta->row);
-  const int4* payload = reinterpret_cast<const int4*>(slot + kSlotMetaBytes);
+  const int4* payload = reinterpret_cast<const int4*>(slot + kSlotPayloadOffset);
   int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes);
-  warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
-  const float* scales = reinterpret_cast<const float*>(slot + kSlotMetaBytes + a.row_bytes);
+  int4* const out[1] = {out_row};
+  warp_copy_units_to_all<Load::kL2Only, kUnroll>(out, payload, a.row_bytes / 16);
+  const float* scales = reinterpret_cast<const float*>(slot + kSlotPayloadOffset + a.row_bytes);
   for (int i = lane; i < a.num_scales; i += 32)
     a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = ld_cg_f32(scales + i);
   if (a.num_topk > 0 && lane < a.num_topk) {
@@ -159,6 +167,29 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
   if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ld_cg_s32(&meta->src_token);
 }
 
+// Token t's row for this rank itself (if it has one): x to recv_x and its metadata, all local.
+template <int kUnroll>
+__device__ void copy_own_token(const DispatchArgs& a, int t) {
+  const int lane = lane_id();
+  const int row = a.send_pos[static_cast<int64_t>(t) * a.num_ranks + a.rank];
+  if (row < 0) return;
+  int4* const out[1] = {reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes)};
+  warp_copy_units_to_all<Load::kReadOnly, kUnroll>(
+      out, reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(t) * a.row_bytes),
+      a.row_bytes / 16);
+  for (int i = lane; i < a.num_scales; i += 32)
+    a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = a.x_scales[static_cast<int64_t>(t) * a.num_scales + i];
+  if (a.num_topk > 0 && lane < a.num_topk) {
+    const int64_t at = static_cast<int64_t>(t) * a.num_topk + lane;
+    const int32_t local_id = local_expert_id(a.topk_idx[at], a.rank, a.num_local_experts);
+    a.recv_topk_idx[static_cast<int64_t>(row) * a.num_topk + lane] = local_id;
+    if (a.recv_topk_weights != nullptr)
+      a.recv_topk_weights[static_cast<int64_t>(row) * a.num_topk + lane] = local_id >= 0 ? a.topk_weights[at] : 0.f;
+  }
+  if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = t;
+}
+
+template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                   int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -176,8 +207,13 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
   uint32_t consumed = 0, available = 0;
   bool finished = !owns_ring, sender_done = false;
   Deadline deadline(site);
+  // With self_copy_by_receiver this warp also copies the own-rank rows of the tokens that this
+  // rank's sender warp of the same (channel, warp) takes, one between polls of the rings.
+  int own_token, own_end;
+  channel_token_range(a.num_tokens, a.num_channels, channel, own_token, own_end);
+  own_token = a.self_copy_by_receiver ? own_token + warp : own_end;
 
-  while (!__all_sync(0xffffffffu, finished)) {
+  while (!__all_sync(0xffffffffu, finished) || own_token < own_end) {
     if (!finished) {
       const uint64_t word = ld_acquire_sys(tail);
       if (counter_epoch(word) == epoch) {
@@ -193,8 +229,13 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
       const uint32_t begin = shfl(consumed, s), end = shfl(available, s);
       const uint8_t* src_ring = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(ring), s));
       for (uint32_t i = begin; i < end; ++i)
-        copy_slot_to_outputs(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
+        copy_slot_to_outputs<kUnroll>(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
       progressed |= end != begin;
+    }
+    if (own_token < own_end) {
+      copy_own_token<kUnroll>(a, own_token);
+      own_token += kWarpsPerChannel;
+      progressed = true;
     }
     __syncwarp();
     if (!finished) {
@@ -228,6 +269,8 @@ __device__ void mark_padding_rows(const DispatchArgs& a, int receiver_index, int
       a.recv_src_idx[row] = -1;
 }
 
+// kUnroll: 16-byte units in flight per lane in the row copies.
+template <int kUnroll>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
@@ -240,10 +283,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank, channel, warp};
 
   if (is_sender) {
-    dispatch_sender(args, layout, me, epoch, channel, warp, site);
+    dispatch_sender<kUnroll>(args, layout, me, epoch, channel, warp, site);
   } else {
     mark_padding_rows(args, channel, args.num_channels);
-    dispatch_receiver(args, layout, me, epoch, channel, warp, site);
+    dispatch_receiver<kUnroll>(args, layout, me, epoch, channel, warp, site);
   }
   finish_operation(me, epoch);
 }
@@ -261,7 +304,9 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
                "x_scales and num_scales disagree");
-  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  EP_CHECK_ARG(args.copy_unroll == 8 || args.copy_unroll == 16, "copy_unroll must be 8 or 16, got " << args.copy_unroll);
+  if (args.copy_unroll == 16) dispatch_kernel<16><<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  else dispatch_kernel<8><<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,10 +1,10 @@
 // Copy-engine combine: the kernels on the owner's side and the sender's waits.
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
-// source rank), so the host copies them into o's staging area with the copy engines, piece by
-// piece on one stream per owner; after each copy the stream counts the pieces landed in o's
-// header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
-// takes tokens in order, waits (on its own header) for the pieces that hold their copies, sums
+// source rank), so the host copies them into o's staging area with the copy engines, one or more
+// pieces per copy on one stream per owner; after each copy the stream counts the rows landed in
+// o's header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
+// takes tokens in order, waits (on its own header) for the rows that hold their copies, sums
 // them with its own copy, and frees a piece's staging slot for its sender once every row of it is
 // summed. The last block to finish tells every sender that o has released this combine's area.
 // Every progress word is written where its waiter polls it, so no wait reads across NVLink.
@@ -32,7 +32,7 @@ struct SourceState {
   bool known = false;  // base and rows read from the header
   int base = 0;        // source's first row of this rank's block (its recv_rank_offsets[rank])
   int rows = 0;        // rows of this rank's block
-  int landed = 0;      // pieces seen landed
+  int landed = 0;      // rows seen landed
 };
 
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`,
@@ -48,13 +48,13 @@ __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a
   const int index = pos - state.base;
   piece = index / layout.rows_per_piece;
   const int slot = piece % layout.num_slots;
-  if (state.landed <= piece) {
-    // One copy stream per owner: pieces land in order, and the word counts them.
-    const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(piece + 1));
+  if (state.landed <= index) {
+    // One copy stream per owner: copies land in order, and the word counts the rows landed.
+    const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(index + 1));
     Deadline deadline(site);
     uint64_t value;
     while ((value = ld_acquire_sys(&me->staged_landed[source])) < target)
-      deadline.check(kWaitStagedRows, source, piece + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
+      deadline.check(kWaitStagedRows, source, index + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
     state.landed = static_cast<int>(static_cast<uint32_t>(value));
   }
   const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece + index % layout.rows_per_piece;

@@ -1,0 +1,196 @@
+// What one direction of the NVLink between two GPUs carries, by who moves the bytes: the copy
+// engine pushing (issued by the source GPU) or pulling (issued by the destination), SMs storing into
+// the peer or loading from it, and a copy-engine pull beside an SM pull that share the bytes.
+// Both GPUs move the same amount towards each other at once, as a dispatch or a combine does.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/link_probe.cu && /tmp/link_probe
+//
+// Prints GB/s per direction (median of 10 rounds after 2 warm-up rounds; a round's time is the
+// slower GPU's).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(call)                                                                               \
+  do {                                                                                            \
+    cudaError_t err_ = (call);                                                                    \
+    if (err_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));          \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+namespace {
+
+constexpr int kUnroll = 4;
+
+// Every thread moves kUnroll 16-byte units per step, all loads before the stores.
+__global__ void copy_units(int4* dst, const int4* src, size_t num_units) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (size_t base = (static_cast<size_t>(blockIdx.x) * blockDim.x) * kUnroll + threadIdx.x; base < num_units;
+       base += stride) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * blockDim.x < num_units) v[u] = __ldcg(src + base + u * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * blockDim.x < num_units) __stcg(dst + base + u * blockDim.x, v[u]);
+  }
+}
+
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+struct Gpu {
+  int id;
+  char* mine;   // this GPU's source bytes
+  char* inbox;  // where the peer's bytes land on this GPU
+  cudaStream_t main, copy, sm;
+  cudaEvent_t start, end;
+};
+
+Gpu gpus[2];
+size_t total_bytes;
+
+// One experiment: `issue(g)` queues GPU g's share of the round on its streams.
+template <typename Issue>
+double measure(Issue issue) {
+  std::vector<double> times;
+  for (int round = 0; round < 12; ++round) {
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      CHECK(cudaDeviceSynchronize());
+    }
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      spin<<<1, 1, 0, g.main>>>(20'000'000);  // holds the GPU while the host queues the round
+      CHECK(cudaEventRecord(g.start, g.main));
+      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+      CHECK(cudaStreamWaitEvent(g.sm, g.start, 0));
+    }
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      issue(g);
+    }
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      cudaEvent_t joined[2];
+      for (auto& e : joined) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      CHECK(cudaEventRecord(joined[0], g.copy));
+      CHECK(cudaEventRecord(joined[1], g.sm));
+      CHECK(cudaStreamWaitEvent(g.main, joined[0], 0));
+      CHECK(cudaStreamWaitEvent(g.main, joined[1], 0));
+      CHECK(cudaEventRecord(g.end, g.main));
+      for (auto& e : joined) CHECK(cudaEventDestroy(e));
+    }
+    double slowest = 0;
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      CHECK(cudaEventSynchronize(g.end));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, g.start, g.end));
+      slowest = std::max(slowest, static_cast<double>(ms));
+    }
+    if (round >= 2) times.push_back(slowest);
+  }
+  std::sort(times.begin(), times.end());
+  const double median_ms = times[times.size() / 2];
+  return static_cast<double>(total_bytes) / (median_ms * 1e-3) / 1e9;
+}
+
+Gpu& peer_of(const Gpu& g) { return gpus[1 - g.id]; }
+
+// Copy-engine pieces of `piece` bytes over [first, last) of the round's bytes, pushed or pulled.
+void engine_copies(Gpu& g, size_t first, size_t last, size_t piece, bool pull) {
+  for (size_t offset = first; offset < last; offset += piece) {
+    const size_t n = std::min(piece, last - offset);
+    if (pull) CHECK(cudaMemcpyAsync(g.inbox + offset, peer_of(g).mine + offset, n, cudaMemcpyDeviceToDevice, g.copy));
+    else CHECK(cudaMemcpyAsync(peer_of(g).inbox + offset, g.mine + offset, n, cudaMemcpyDeviceToDevice, g.copy));
+  }
+}
+
+// `shift`: bytes the destination sits past a 128-byte line (a multiple of 16).
+void sm_copy(Gpu& g, size_t first, size_t last, int sms, bool pull, size_t shift = 0) {
+  if (last <= first) return;
+  if (shift > 0) last -= 128;  // the inbox has no room past its end
+  int4* dst = reinterpret_cast<int4*>((pull ? g.inbox : peer_of(g).inbox) + first + shift);
+  const int4* src = reinterpret_cast<const int4*>((pull ? peer_of(g).mine : g.mine) + first);
+  copy_units<<<sms, 1024, 0, g.sm>>>(dst, src, (last - first) / 16);
+  CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  total_bytes = static_cast<size_t>((argc > 1 ? std::atof(argv[1]) : 58.7) * 1e6) / 4096 * 4096;
+  for (int id = 0; id < 2; ++id) {
+    Gpu& g = gpus[id];
+    g.id = id;
+    CHECK(cudaSetDevice(id));
+    CHECK(cudaDeviceEnablePeerAccess(1 - id, 0));
+    CHECK(cudaMalloc(&g.mine, total_bytes));
+    CHECK(cudaMalloc(&g.inbox, total_bytes));
+    CHECK(cudaMemset(g.mine, id + 1, total_bytes));
+    CHECK(cudaStreamCreateWithFlags(&g.main, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&g.sm, cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&g.start));
+    CHECK(cudaEventCreate(&g.end));
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s x2, %.1f MB per direction per round, both directions at once\n", prop.name,
+              total_bytes / 1e6);
+
+  const double sizes_mb[] = {3.7, 7.3, 14.7, 29.4, 58.7};
+  for (bool pull : {false, true}) {
+    std::printf("copy engine %s:", pull ? "pull" : "push");
+    for (double mb : sizes_mb) {
+      const size_t piece = static_cast<size_t>(mb * 1e6) / 16 * 16;
+      std::printf("  %.1f MB pieces %.1f GB/s", mb,
+                  measure([&](Gpu& g) { engine_copies(g, 0, total_bytes, piece, pull); }));
+    }
+    std::printf("\n");
+  }
+  for (bool pull : {false, true}) {
+    std::printf("SMs %s:", pull ? "loading from the peer" : "storing into the peer");
+    for (int sms : {4, 8, 16, 24, 32}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                                                     sm_copy(g, 0, total_bytes, sms, pull);
+                                                   }));
+    std::printf("\n");
+  }
+  std::printf("SMs storing into the peer, 16 B past the lines:");
+  for (int sms : {8, 16, 24}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                                            sm_copy(g, 0, total_bytes, sms, false, 16);
+                                          }));
+  std::printf("\n");
+  // Shared: the engine pulls the first `share` of the bytes in 14.7 MB pieces, SMs pull the rest.
+  for (int sms : {8, 16}) {
+    std::printf("engine pull + %d SMs pulling:", sms);
+    for (double share : {0.6, 0.7, 0.8, 0.9}) {
+      const size_t split = static_cast<size_t>(total_bytes * share) / 4096 * 4096;
+      std::printf("  engine %.0f%% %.1f GB/s", share * 100, measure([&](Gpu& g) {
+                    engine_copies(g, 0, split, 14'700'000, true);
+                    sm_copy(g, split, total_bytes, sms, true);
+                  }));
+    }
+    std::printf("\n");
+  }
+  std::printf("engine push + %d SMs storing:", 16);
+  for (double share : {0.7, 0.8}) {
+    const size_t split = static_cast<size_t>(total_bytes * share) / 4096 * 4096;
+    std::printf("  engine %.0f%% %.1f GB/s", share * 100, measure([&](Gpu& g) {
+                  engine_copies(g, 0, split, 14'700'000, false);
+                  sm_copy(g, split, total_bytes, 16, false);
+                }));
+  }
+  std::printf("\n");
+  return 0;
+}
