@@ -88,15 +88,10 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
 void IntranodeRuntime::read_tuning_overrides() {
   if (const char* unroll = std::getenv("EP_PLUGIN_DISPATCH_UNROLL")) dispatch_copy_unroll_ = std::atoi(unroll);
   if (const char* self = std::getenv("EP_PLUGIN_DISPATCH_SELF")) dispatch_self_by_receiver_ = std::string(self) == "receiver";
-  if (const char* pieces = std::getenv("EP_PLUGIN_COMBINE_COPY_PIECES")) {
-    combine_copy_pieces_.clear();
-    for (const char* p = pieces; *p != '\0';) {
-      char* end = nullptr;
-      const long value = std::strtol(p, &end, 10);
-      EP_CHECK_ARG(end != p && value >= 1, "EP_PLUGIN_COMBINE_COPY_PIECES must list positive integers, got " << pieces);
-      combine_copy_pieces_.push_back(static_cast<int>(value));
-      p = *end == ',' ? end + 1 : end;
-    }
+  if (const char* rows = std::getenv("EP_PLUGIN_COMBINE_COPY_ROWS")) {
+    EP_CHECK_ARG(std::sscanf(rows, "%d,%d", &first_copy_rows_, &last_copy_rows_) == 2 && first_copy_rows_ >= 0 &&
+                     last_copy_rows_ >= 0,
+                 "EP_PLUGIN_COMBINE_COPY_ROWS must be FIRST,LAST (rows >= 0), got " << rows);
   }
 }
 
@@ -325,39 +320,30 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
     CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(0, args.num_topk), args.topk_weights + first * args.num_topk,
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
-  const int64_t num_pieces = (rows + layout.rows_per_piece - 1) / layout.rows_per_piece;
-  for (int64_t piece = 0, copy = 0; piece < num_pieces; ++copy) {
+  const int64_t rows_per_piece = layout.rows_per_piece;
+  for (int64_t done = 0; done < rows;) {
+    const int64_t piece = done / rows_per_piece, in_piece = done % rows_per_piece;
     const int slot = static_cast<int>(piece % layout.num_slots);
-    // One copy carries consecutive pieces while their slots are fresh and do not wrap; a reused slot
-    // goes alone, once the owner has summed its previous piece.
-    int64_t pieces = 1;
-    if (piece >= layout.num_slots) {
+    if (piece >= layout.num_slots && in_piece == 0)  // the owner must have summed the slot's previous piece
       wait_for_owner(&mine->staged_freed[owner][slot],
                      staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
-    } else {
-      pieces = std::min<int64_t>({pieces_in_copy(copy, num_pieces), num_pieces - piece, layout.num_slots - slot});
-    }
-    const int64_t row = first + piece * layout.rows_per_piece;
-    const int64_t count = std::min<int64_t>(pieces * layout.rows_per_piece, rows - piece * layout.rows_per_piece);
-    const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
+    // A copy stays within one piece; the first and the last copy of the block may be shorter, so that
+    // the owner starts summing sooner and has less left to sum after the last copy lands.
+    int64_t count = std::min(rows_per_piece - in_piece, rows - done);
+    if (done == 0 && first_copy_rows_ > 0) count = std::min<int64_t>(count, first_copy_rows_);
+    if (last_copy_rows_ > 0 && rows - done > last_copy_rows_) count = std::min<int64_t>(count, rows - last_copy_rows_ - done);
+    const int64_t row = first + done;
+    const int64_t staged = static_cast<int64_t>(slot) * rows_per_piece + in_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                                count * row_bytes, cudaMemcpyDeviceToDevice, stream));
     if (has_weights && !weights_whole)
       CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
                                  args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
                                  cudaMemcpyDeviceToDevice, stream));
-    piece += pieces;
+    done += count;
     // Copies land in order on this one stream: the owner counts the rows landed.
-    write_word(&theirs->staged_landed[rank_],
-               staged_word(epoch, static_cast<uint32_t>(std::min<int64_t>(rows, piece * layout.rows_per_piece))), stream);
+    write_word(&theirs->staged_landed[rank_], staged_word(epoch, static_cast<uint32_t>(done)), stream);
   }
-}
-
-int64_t IntranodeRuntime::pieces_in_copy(int64_t copy, int64_t num_pieces) const {
-  if (!combine_copy_pieces_.empty())
-    return combine_copy_pieces_[std::min<size_t>(copy, combine_copy_pieces_.size() - 1)];
-  (void)num_pieces;
-  return 1;
 }
 
 void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,

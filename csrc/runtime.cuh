@@ -81,10 +81,8 @@ class IntranodeRuntime {
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_UNROLL, EP_PLUGIN_DISPATCH_SELF,
-  // EP_PLUGIN_COMBINE_COPY_PIECES.
+  // EP_PLUGIN_COMBINE_COPY_ROWS.
   void read_tuning_overrides();
-  // Staging pieces that copy number `copy` of a block of `num_pieces` carries (before clamping).
-  int64_t pieces_in_copy(int64_t copy, int64_t num_pieces) const;
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
   void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
@@ -99,7 +97,7 @@ class IntranodeRuntime {
   uint32_t staged_epoch_ = 0;
   int dispatch_copy_unroll_ = 8;
   bool dispatch_self_by_receiver_ = false;
-  std::vector<int> combine_copy_pieces_;
+  int first_copy_rows_ = 0, last_copy_rows_ = 0;  // the copy-engine combine's first and last copy (0: a piece)
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,

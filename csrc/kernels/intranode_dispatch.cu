@@ -11,6 +11,7 @@
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "intranode_common.cuh"
+#include "intranode_profile.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -49,6 +50,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
   auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int next_pos = load_pos(token_begin + warp);
+  WarpPhases phases;
   for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
     const int pos = a.self_copy_by_receiver && lane == a.rank ? -1 : next_pos;
     next_pos = load_pos(t + kWarpsPerChannel);
@@ -61,6 +63,8 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
         has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
 
     // Reserve the next slot of each remote ring (wait while the ring is full).
+    phases.item();
+    phases.begin();
     uint8_t* slot = nullptr;
     if (owns_ring && pos >= 0) {
       if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
@@ -76,6 +80,8 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
       slot = ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes;
     }
 
+    phases.end(0);
+    phases.begin();
     // Destinations: this rank's recv_x row, and each remote slot's payload.
     const int self_row = shfl(pos, a.rank);
     uint8_t* dst[kMaxNvlPeers];
@@ -129,9 +135,14 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 
     // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
     __syncwarp();
+    phases.end(1);
+    phases.begin();
     if (owns_ring && pos >= 0 && ++sent - published >= chunk)
       st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+    __syncwarp();
+    phases.end(2);
   }
+  phases.begin();
 
   // Tell each receiver how many tokens this warp sent, then wait until it consumed them all, so
   // that no peer touches this rank's counters or rings for this epoch after the kernel ends.
@@ -145,6 +156,9 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
       deadline.check(kWaitDrain, lane, sent, consumed);
     }
   }
+  __syncwarp();
+  phases.end(3);
+  phases.store();
 }
 
 template <int kUnroll>
@@ -213,7 +227,9 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
   channel_token_range(a.num_tokens, a.num_channels, channel, own_token, own_end);
   own_token = a.self_copy_by_receiver ? own_token + warp : own_end;
 
+  WarpPhases phases;
   while (!__all_sync(0xffffffffu, finished) || own_token < own_end) {
+    phases.begin();
     if (!finished) {
       const uint64_t word = ld_acquire_sys(tail);
       if (counter_epoch(word) == epoch) {
@@ -238,6 +254,10 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
       progressed = true;
     }
     __syncwarp();
+    const bool any_progress = __any_sync(0xffffffffu, progressed);
+    phases.end(any_progress ? 1 : 0);
+    if (any_progress) phases.item();
+    phases.begin();
     if (!finished) {
       if (available != consumed || sender_done) {
         consumed = available;
@@ -245,12 +265,15 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
         finished = sender_done;
       }
     }
-    if (__any_sync(0xffffffffu, progressed)) {
+    __syncwarp();
+    phases.end(2);
+    if (any_progress) {
       deadline.restart();
     } else if (!finished) {
       deadline.check(kWaitData, lane, consumed + 1, available);
     }
   }
+  phases.store();
 }
 
 // Rows past the received count are padding when num_worst_tokens > 0: mark them unrouted.
@@ -282,6 +305,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
                           slot_bytes_for(payload_bytes)};
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank, channel, warp};
 
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const uint64_t start_ns = global_timer_ns();
+#endif
   if (is_sender) {
     dispatch_sender<kUnroll>(args, layout, me, epoch, channel, warp, site);
   } else {
@@ -289,6 +315,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
     dispatch_receiver<kUnroll>(args, layout, me, epoch, channel, warp, site);
   }
   finish_operation(me, epoch);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const char* const sender_phases[kNumWarpPhases] = {"ring_wait", "copy", "publish", "drain"};
+  const char* const receiver_phases[kNumWarpPhases] = {"idle_polls", "copy", "publish", nullptr};
+  report_warp_phases(args.rank, sender_phases, receiver_phases, start_ns);
+#endif
 }
 
 }  // namespace

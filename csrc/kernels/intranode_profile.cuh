@@ -1,0 +1,110 @@
+// Where the intranode dispatch's warps spend their time, compiled in only with
+// -DEP_PLUGIN_PHASE_PROFILE (a diagnostic build, never the shipped one; see phase_profile.cuh for the
+// low-latency kernels). Each warp sums the SM cycles of its phases; the last block of every 16th
+// launch prints, for sender and receiver warps apart, each phase's mean and max over warps in
+// thousands of cycles, beside the kernel's wall time.
+#pragma once
+
+#include <cstdio>
+
+#include "../common/ptx.cuh"
+#include "buffer_layout.cuh"
+
+namespace ep_plugin::intranode {
+
+// Sender phases: waiting for ring space, copying rows (and metadata), publishing tails, draining.
+// Receiver phases: polls that found nothing, copying slots, publishing heads.
+constexpr int kNumWarpPhases = 4;
+
+#ifdef EP_PLUGIN_PHASE_PROFILE
+namespace profile {
+
+struct WarpRecord {
+  unsigned long long cycles[kNumWarpPhases];
+  unsigned long long total_cycles;
+  unsigned int items;
+};
+
+__device__ WarpRecord g_warps[2 * kMaxChannels][kWarpsPerChannel];
+__device__ unsigned long long g_first_start = ~0ull, g_last_end = 0;
+__device__ unsigned int g_blocks_done, g_launches;
+
+}  // namespace profile
+
+class WarpPhases {
+ public:
+  __device__ WarpPhases() : start_(clock64()) {}
+  __device__ void begin() { mark_ = clock64(); }
+  __device__ void end(int phase) { cycles_[phase] += clock64() - mark_; }
+  __device__ void item() { ++items_; }
+  // Every lane calls it once, at the warp's end.
+  __device__ void store() {
+    if (lane_id() != 0) return;
+    profile::WarpRecord& r = profile::g_warps[blockIdx.x][threadIdx.x >> 5];
+    for (int p = 0; p < kNumWarpPhases; ++p) r.cycles[p] = cycles_[p];
+    r.total_cycles = clock64() - start_;
+    r.items = items_;
+  }
+
+ private:
+  long long start_, mark_ = 0;
+  long long cycles_[kNumWarpPhases] = {};
+  unsigned int items_ = 0;
+};
+
+// Every thread of every block calls it at the kernel's very end.
+__device__ inline void report_warp_phases(int rank, const char* const (&sender_phases)[kNumWarpPhases],
+                                          const char* const (&receiver_phases)[kNumWarpPhases], uint64_t start_ns) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  atomicMin(&profile::g_first_start, static_cast<unsigned long long>(start_ns));
+  atomicMax(&profile::g_last_end, static_cast<unsigned long long>(global_timer_ns()));
+  __threadfence();
+  if (atomicAdd(&profile::g_blocks_done, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  profile::g_blocks_done = 0;
+  const unsigned int launch = profile::g_launches++;
+  const double wall_us = (profile::g_last_end - profile::g_first_start) * 1e-3;
+  profile::g_first_start = ~0ull;
+  profile::g_last_end = 0;
+  if (launch % 16 != 15) return;
+  for (int role = 0; role < 2; ++role) {
+    const char* const* names = role == 0 ? sender_phases : receiver_phases;
+    double sum[kNumWarpPhases + 1] = {}, max[kNumWarpPhases + 1] = {};
+    double items = 0;
+    int warps = 0;
+    for (int b = role; b < static_cast<int>(gridDim.x); b += 2) {
+      for (int w = 0; w < kWarpsPerChannel; ++w) {
+        const profile::WarpRecord& r = profile::g_warps[b][w];
+        for (int p = 0; p <= kNumWarpPhases; ++p) {
+          const double k = (p == kNumWarpPhases ? r.total_cycles : r.cycles[p]) * 1e-3;
+          sum[p] += k;
+          max[p] = k > max[p] ? k : max[p];
+        }
+        items += r.items;
+        ++warps;
+      }
+    }
+    printf("[phase] intranode dispatch rank %d launch %u wall %.1f us %s warps %d, items/warp %.1f, kcycles mean/max:"
+           " total %.1f/%.1f",
+           rank, launch, wall_us, role == 0 ? "sender" : "receiver", warps, items / warps, sum[kNumWarpPhases] / warps,
+           max[kNumWarpPhases]);
+    for (int p = 0; p < kNumWarpPhases; ++p)
+      if (names[p] != nullptr) printf(", %s %.1f/%.1f", names[p], sum[p] / warps, max[p]);
+    printf("\n");
+  }
+}
+
+#else
+
+class WarpPhases {
+ public:
+  __device__ void begin() {}
+  __device__ void end(int) {}
+  __device__ void item() {}
+  __device__ void store() {}
+};
+
+#endif
+
+}  // namespace ep_plugin::intranode
