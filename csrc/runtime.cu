@@ -88,6 +88,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
 void IntranodeRuntime::read_tuning_overrides() {
   if (const char* unroll = std::getenv("EP_PLUGIN_DISPATCH_UNROLL")) dispatch_copy_unroll_ = std::atoi(unroll);
   if (const char* self = std::getenv("EP_PLUGIN_DISPATCH_SELF")) dispatch_self_by_receiver_ = std::string(self) == "receiver";
+  if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
   if (const char* rows = std::getenv("EP_PLUGIN_COMBINE_COPY_ROWS")) {
     EP_CHECK_ARG(std::sscanf(rows, "%d,%d", &first_copy_rows_, &last_copy_rows_) == 2 && first_copy_rows_ >= 0 &&
                      last_copy_rows_ >= 0,
@@ -157,8 +158,11 @@ void IntranodeRuntime::destroy() {
   for (int r = 0; r < kMaxNvlPeers; ++r) {
     if (copy_streams_[r] != nullptr) cudaStreamDestroy(copy_streams_[r]);
     if (copy_done_[r] != nullptr) cudaEventDestroy(copy_done_[r]);
-    copy_streams_[r] = nullptr;
-    copy_done_[r] = nullptr;
+    if (signal_streams_[r] != nullptr) cudaStreamDestroy(signal_streams_[r]);
+    if (copy_landed_[r] != nullptr) cudaEventDestroy(copy_landed_[r]);
+    if (signals_done_[r] != nullptr) cudaEventDestroy(signals_done_[r]);
+    copy_streams_[r] = signal_streams_[r] = nullptr;
+    copy_done_[r] = copy_landed_[r] = signals_done_[r] = nullptr;
   }
   cudaFreeHost(const_cast<DeviceStatus*>(status_host_));
   cudaFree(buffer_);
@@ -232,6 +236,9 @@ void IntranodeRuntime::create_copy_streams(int64_t staging_bytes) {
     if (r == rank_) continue;
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_streams_[r], cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r], cudaEventDisableTiming));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&signal_streams_[r], cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&copy_landed_[r], cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&signals_done_[r], cudaEventDisableTiming));
   }
 }
 
@@ -295,6 +302,10 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
     copy_rows_to_owner(args, layout, r, first, request.rows_from[r], copy_streams_[r]);
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
+    if (combine_signal_stream_) {
+      CUDA_CHECK(cudaEventRecord(signals_done_[r], signal_streams_[r]));
+      CUDA_CHECK(cudaStreamWaitEvent(stream, signals_done_[r], 0));
+    }
   }
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
 }
@@ -342,7 +353,16 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                  cudaMemcpyDeviceToDevice, stream));
     done += count;
     // Copies land in order on this one stream: the owner counts the rows landed.
-    write_word(&theirs->staged_landed[rank_], staged_word(epoch, static_cast<uint32_t>(done)), stream);
+    const uint64_t landed = staged_word(epoch, static_cast<uint32_t>(done));
+    if (combine_signal_stream_) {
+      // NOTE: the event keeps the writes in copy order; each wait takes the event's latest record.
+      cudaStream_t signals = signal_streams_[owner];
+      CUDA_CHECK(cudaEventRecord(copy_landed_[owner], stream));
+      CUDA_CHECK(cudaStreamWaitEvent(signals, copy_landed_[owner], 0));
+      write_word(&theirs->staged_landed[rank_], landed, signals);
+    } else {
+      write_word(&theirs->staged_landed[rank_], landed, stream);
+    }
   }
 }
 

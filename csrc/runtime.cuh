@@ -81,7 +81,7 @@ class IntranodeRuntime {
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_UNROLL, EP_PLUGIN_DISPATCH_SELF,
-  // EP_PLUGIN_COMBINE_COPY_ROWS.
+  // EP_PLUGIN_COMBINE_COPY_ROWS, EP_PLUGIN_COMBINE_SIGNAL_STREAM.
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -104,6 +104,11 @@ class IntranodeRuntime {
   // the copies to one peer share its engine).
   cudaStream_t copy_streams_[kMaxNvlPeers] = {};  // [owner]
   cudaEvent_t copy_done_[kMaxNvlPeers] = {};
+  // The rows-landed words go out on a stream of their own, each after its copy's event, so that a
+  // write (~5 us of a stream) never stands between two copies.
+  cudaStream_t signal_streams_[kMaxNvlPeers] = {};  // [owner]
+  cudaEvent_t copy_landed_[kMaxNvlPeers] = {}, signals_done_[kMaxNvlPeers] = {};
+  bool combine_signal_stream_ = true;
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

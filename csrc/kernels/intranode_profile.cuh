@@ -33,7 +33,7 @@ __device__ unsigned int g_blocks_done, g_launches;
 
 class WarpPhases {
  public:
-  __device__ WarpPhases() : start_(clock64()) {}
+  __device__ WarpPhases() { start_ = clock64(); }
   __device__ void begin() { mark_ = clock64(); }
   __device__ void end(int phase) { cycles_[phase] += clock64() - mark_; }
   __device__ void item() { ++items_; }
@@ -47,7 +47,7 @@ class WarpPhases {
   }
 
  private:
-  long long start_, mark_ = 0;
+  long long start_ = 0, mark_ = 0;
   long long cycles_[kNumWarpPhases] = {};
   unsigned int items_ = 0;
 };
