@@ -87,7 +87,13 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
 
 void IntranodeRuntime::read_tuning_overrides() {
   if (const char* unroll = std::getenv("EP_PLUGIN_DISPATCH_UNROLL")) dispatch_copy_unroll_ = std::atoi(unroll);
-  if (const char* self = std::getenv("EP_PLUGIN_DISPATCH_SELF")) dispatch_self_by_receiver_ = std::string(self) == "receiver";
+  if (const char* share = std::getenv("EP_PLUGIN_DISPATCH_SELF_SHARE")) {
+    EP_CHECK_ARG(std::sscanf(share, "%d/%d", &self_copy_receiver_rounds_, &self_copy_period_) == 2 &&
+                     self_copy_period_ >= 1 && self_copy_receiver_rounds_ >= 0 &&
+                     self_copy_receiver_rounds_ <= self_copy_period_,
+                 "EP_PLUGIN_DISPATCH_SELF_SHARE must be K/M with 0 <= K <= M, M >= 1, got " << share);
+  }
+  if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
   if (const char* rows = std::getenv("EP_PLUGIN_COMBINE_COPY_ROWS")) {
     EP_CHECK_ARG(std::sscanf(rows, "%d,%d", &first_copy_rows_, &last_copy_rows_) == 2 && first_copy_rows_ >= 0 &&
@@ -207,7 +213,8 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
                                      intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
   require_buffer_fits(layout.total_bytes(), "dispatch");
   args.copy_unroll = dispatch_copy_unroll_;
-  args.self_copy_by_receiver = dispatch_self_by_receiver_;
+  args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
+  args.self_copy_period = self_copy_period_;
   intranode::launch_dispatch(args, stream);
 }
 
@@ -284,6 +291,7 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.staging_offset = staging_offset_;
   args.staging_bytes = request.staging_bytes;
   args.epoch = ++staged_epoch_;
+  args.pair_path = combine_pair_path_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
 

@@ -69,7 +69,8 @@ struct DispatchArgs {
   int num_worst_tokens;             // > 0: rows past *num_recv_tokens are padding
   const int32_t* num_recv_tokens;   // [1]
   int copy_unroll;                  // 16-byte units in flight per lane in the row copies (8 or 16)
-  bool self_copy_by_receiver;       // this rank's own rows: copied by the receiver blocks (else the senders)
+  int self_copy_receiver_rounds;    // of every self_copy_period rounds of a sender warp's tokens, how many
+  int self_copy_period;             // have their own-rank rows copied by the receiver blocks (0 of 1: none)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
@@ -110,6 +111,7 @@ struct StagedReduceArgs {
   const void* bias_1;
   void* combined_x;                 // [T, hidden] bf16
   float* combined_topk_weights;     // [T, K] or nullptr
+  bool pair_path;                   // tokens with at most two copies take sum_copy_pair
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

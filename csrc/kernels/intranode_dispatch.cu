@@ -16,6 +16,12 @@
 namespace ep_plugin::intranode {
 namespace {
 
+// Whether the receiver blocks (not the senders) copy this rank's own rows of a warp's `round`-th token:
+// rounds r with r % self_copy_period < self_copy_receiver_rounds (the senders are the busier side).
+__device__ __forceinline__ bool own_row_by_receiver(const DispatchArgs& a, int round) {
+  return round % a.self_copy_period < a.self_copy_receiver_rounds;
+}
+
 // Expert `expert` as rank r's local id, or -1 when rank r does not hold it.
 __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int num_local_experts) {
   const int64_t local = expert - static_cast<int64_t>(r) * num_local_experts;
@@ -52,7 +58,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   int next_pos = load_pos(token_begin + warp);
   WarpPhases phases;
   for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
-    const int pos = a.self_copy_by_receiver && lane == a.rank ? -1 : next_pos;
+    const int pos = lane == a.rank && own_row_by_receiver(a, (t - token_begin) / kWarpsPerChannel) ? -1 : next_pos;
     next_pos = load_pos(t + kWarpsPerChannel);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dst_mask == 0) continue;
@@ -221,11 +227,16 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
   uint32_t consumed = 0, available = 0;
   bool finished = !owns_ring, sender_done = false;
   Deadline deadline(site);
-  // With self_copy_by_receiver this warp also copies the own-rank rows of the tokens that this
-  // rank's sender warp of the same (channel, warp) takes, one between polls of the rings.
-  int own_token, own_end;
-  channel_token_range(a.num_tokens, a.num_channels, channel, own_token, own_end);
-  own_token = a.self_copy_by_receiver ? own_token + warp : own_end;
+  // This warp also copies the own-rank rows of its share of the tokens that this rank's sender warp
+  // of the same (channel, warp) takes (own_row_by_receiver), one between polls of the rings.
+  int own_begin, own_end;
+  channel_token_range(a.num_tokens, a.num_channels, channel, own_begin, own_end);
+  int own_round = 0;
+  auto next_own_token = [&]() {
+    while (own_begin + warp + own_round * kWarpsPerChannel < own_end && !own_row_by_receiver(a, own_round)) ++own_round;
+    return own_begin + warp + own_round * kWarpsPerChannel;
+  };
+  int own_token = next_own_token();
 
   WarpPhases phases;
   while (!__all_sync(0xffffffffu, finished) || own_token < own_end) {
@@ -250,7 +261,8 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
     }
     if (own_token < own_end) {
       copy_own_token<kUnroll>(a, own_token);
-      own_token += kWarpsPerChannel;
+      ++own_round;
+      own_token = next_own_token();
       progressed = true;
     }
     __syncwarp();

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
     sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
-                     bias_1 == nullptr ? nullptr : bias_1 + row_units, reinterpret_cast<int4*>(a.combined_x) + row_units);
+                     bias_1 == nullptr ? nullptr : bias_1 + row_units, reinterpret_cast<int4*>(a.combined_x) + row_units,
+                     a.pair_path);
     if (a.combined_topk_weights != nullptr)
       sum_token_weights(src_weights, a.rank, a.num_topk, a.combined_topk_weights + static_cast<int64_t>(t) * a.num_topk);
     __syncwarp();
