@@ -19,9 +19,11 @@ __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank
 constexpr int kCombineUnroll = 4;
 constexpr int kSourcesInFlight = 2;
 
-// At most two copies and no bias (every token at 2 ranks): with no fp32 accumulator array to keep,
-// a lane holds kPairUnroll units of both copies in flight, twice the general path's bytes.
-// The sum is the general path's, in the same order: first + second, rounded once.
+// sum_token_copies for at most two copies and no bias (a combine of 2 ranks): with no fp32
+// accumulator array to keep, a lane holds kPairUnroll units of both copies in flight, twice the
+// general path's bytes. The same sum in the same order (first + second, rounded once); no copy at
+// all (first == nullptr) gives zeros. NOTE: a kernel takes either path, never both: the two inlined
+// side by side made the kernel spill registers.
 constexpr int kPairUnroll = 8;
 
 __device__ __forceinline__ void sum_copy_pair(const int4* first, bool first_own, const int4* second, bool second_own,
@@ -32,7 +34,7 @@ __device__ __forceinline__ void sum_copy_pair(const int4* first, bool first_own,
 #pragma unroll
     for (int u = 0; u < kPairUnroll; ++u) {
       const int i = base + u * 32 + lane;
-      if (i >= num_units) continue;
+      if (i >= num_units || first == nullptr) continue;
       a[u] = first_own ? ld_nc_v4(first + i) : ld_cg_v4(first + i);
       if (second != nullptr) b[u] = second_own ? ld_nc_v4(second + i) : ld_cg_v4(second + i);
     }
@@ -41,7 +43,7 @@ __device__ __forceinline__ void sum_copy_pair(const int4* first, bool first_own,
       const int i = base + u * 32 + lane;
       if (i >= num_units) continue;
       float acc[8] = {};
-      add_bf16x8(acc, a[u]);
+      if (first != nullptr) add_bf16x8(acc, a[u]);
       if (second != nullptr) add_bf16x8(acc, b[u]);
       st_na_v4(out + i, to_bf16x8(acc));
     }
@@ -52,25 +54,7 @@ __device__ __forceinline__ void sum_copy_pair(const int4* first, bool first_own,
 // biases and stores the bf16 row. Rank `own`'s copy is user memory, read through the read-only path;
 // the others were written by peers into this rank's buffer and are read from L2.
 __device__ __forceinline__ void sum_token_copies(const int4* const (&src)[kMaxNvlPeers], int own, int num_units,
-                                                 const int4* bias_0, const int4* bias_1, int4* out,
-                                                 bool pair_path = true) {
-  if (pair_path && bias_0 == nullptr && bias_1 == nullptr) {
-    const int4* first = nullptr;
-    const int4* second = nullptr;
-    bool first_own = false, second_own = false;
-    int count = 0;
-#pragma unroll
-    for (int r = 0; r < kMaxNvlPeers; ++r) {
-      if (src[r] == nullptr) continue;
-      if (count == 0) first = src[r], first_own = r == own;
-      else if (count == 1) second = src[r], second_own = r == own;
-      ++count;
-    }
-    if (count == 1 || count == 2) {
-      sum_copy_pair(first, first_own, second, second_own, num_units, out);
-      return;
-    }
-  }
+                                                 const int4* bias_0, const int4* bias_1, int4* out) {
   const int lane = lane_id();
   for (int base = 0; base < num_units; base += 32 * kCombineUnroll) {
     float acc[kCombineUnroll][8] = {};

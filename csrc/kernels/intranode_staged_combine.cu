@@ -76,6 +76,8 @@ __device__ __forceinline__ void count_summed_row(const StagedReduceArgs& a, cons
   }
 }
 
+// kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_copy_pair).
+template <bool kPair>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(StagedReduceArgs a) {
   Header* me = header_of(a.peer_buffers, a.rank);
   const int lane = lane_id();
@@ -123,9 +125,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       }
     }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
-    sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
-                     bias_1 == nullptr ? nullptr : bias_1 + row_units, reinterpret_cast<int4*>(a.combined_x) + row_units,
-                     a.pair_path);
+    int4* out = reinterpret_cast<int4*>(a.combined_x) + row_units;
+    if constexpr (kPair) {
+      // The copies in rank order, as sum_token_copies adds them.
+      const bool has_0 = src[0] != nullptr;
+      sum_copy_pair(has_0 ? src[0] : src[1], has_0 ? a.rank == 0 : a.rank == 1, has_0 ? src[1] : nullptr, a.rank == 1,
+                    num_units, out);
+    } else {
+      sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
+                       bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
+    }
     if (a.combined_topk_weights != nullptr)
       sum_token_weights(src_weights, a.rank, a.num_topk, a.combined_topk_weights + static_cast<int64_t>(t) * a.num_topk);
     __syncwarp();
@@ -176,7 +185,8 @@ void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {
 
 void load_staged_combine_kernels() {
   cudaFuncAttributes attributes;
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true>));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staging_wait_kernel));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, write_word_kernel));
 }
@@ -188,7 +198,10 @@ void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStre
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
   EP_CHECK_ARG(num_blocks >= 1, "the reduction needs at least one SM");
-  staged_reduce_kernel<<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  if (args.pair_path && args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr)
+    staged_reduce_kernel<true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  else
+    staged_reduce_kernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 
