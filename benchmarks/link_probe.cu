@@ -42,6 +42,69 @@ __global__ void copy_units(int4* dst, const int4* src, size_t num_units) {
   }
 }
 
+// Rows as the intranode dispatch's senders move them: each warp takes whole rows (every
+// total-warps-th), loads kRowUnroll units per lane, then stores them to the peer and, if `local` is
+// set, to a second local buffer (the rank's own copy).
+constexpr int kRowUnroll = 8;
+__global__ void __launch_bounds__(512, 1) copy_rows(int4* remote, int4* local, const int4* src, int num_rows,
+                                                    int row_units) {
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < num_rows; row += warps) {
+    const size_t first = static_cast<size_t>(row) * row_units;
+    for (int base = 0; base < row_units; base += 32 * kRowUnroll) {
+      int4 v[kRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u)
+        if (base + u * 32 + lane < row_units) v[u] = __ldg(src + first + base + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        if (base + u * 32 + lane >= row_units) continue;
+        __stcg(remote + first + base + u * 32 + lane, v[u]);
+        if (local != nullptr) __stcg(local + first + base + u * 32 + lane, v[u]);
+      }
+    }
+  }
+}
+
+// The same rows through the bulk-copy (TMA) unit: lane 0 of each warp loads a row into the warp's
+// shared-memory buffer, then stores it to the peer (and the local buffer) with bulk copies; the
+// buffer is reused once the stores have read it, while their writes may still be in flight.
+__global__ void __launch_bounds__(512, 1) bulk_copy_rows(char* remote, char* local, const char* src, int num_rows,
+                                                         int row_bytes) {
+  extern __shared__ __align__(128) char buffers[];
+  __shared__ __align__(8) unsigned long long barriers[16];
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) != 0) return;
+  char* buffer = buffers + static_cast<size_t>(warp) * row_bytes;
+  const unsigned buffer_addr = static_cast<unsigned>(__cvta_generic_to_shared(buffer));
+  const unsigned barrier_addr = static_cast<unsigned>(__cvta_generic_to_shared(&barriers[warp]));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier_addr));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  unsigned phase = 0;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int row = blockIdx.x * (blockDim.x >> 5) + warp; row < num_rows; row += warps) {
+    const size_t offset = static_cast<size_t>(row) * row_bytes;
+    // The previous row's stores must have read the buffer before it is loaded again.
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_addr), "r"(row_bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(buffer_addr), "l"(src + offset), "r"(row_bytes), "r"(barrier_addr) : "memory");
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(barrier_addr), "r"(phase) : "memory");
+    phase ^= 1;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(remote + offset), "r"(buffer_addr), "r"(row_bytes) : "memory");
+    if (local != nullptr)
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(local + offset), "r"(buffer_addr), "r"(row_bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 __global__ void spin(long long cycles) {
   const long long start = clock64();
   while (clock64() - start < cycles) {
@@ -52,6 +115,7 @@ struct Gpu {
   int id;
   char* mine;   // this GPU's source bytes
   char* inbox;  // where the peer's bytes land on this GPU
+  char* own;    // a second local destination (a dispatch's own copy)
   cudaStream_t main, copy, sm;
   cudaEvent_t start, end;
 };
@@ -137,6 +201,7 @@ int main(int argc, char** argv) {
     CHECK(cudaDeviceEnablePeerAccess(1 - id, 0));
     CHECK(cudaMalloc(&g.mine, total_bytes));
     CHECK(cudaMalloc(&g.inbox, total_bytes));
+    CHECK(cudaMalloc(&g.own, total_bytes));
     CHECK(cudaMemset(g.mine, id + 1, total_bytes));
     CHECK(cudaStreamCreateWithFlags(&g.main, cudaStreamNonBlocking));
     CHECK(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking));
@@ -165,6 +230,29 @@ int main(int argc, char** argv) {
                                                      sm_copy(g, 0, total_bytes, sms, pull);
                                                    }));
     std::printf("\n");
+  }
+  // Dispatch-shaped: 14336-byte rows, 512 threads per SM, to the peer and (dual) a local copy.
+  constexpr int kRowBytes = 14336;
+  const int num_rows = static_cast<int>(total_bytes / kRowBytes);
+  const int bulk_smem = 16 * kRowBytes;
+  CHECK(cudaFuncSetAttribute(bulk_copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk_smem));
+  for (int dual = 0; dual < 2; ++dual) {
+    for (int bulk = 0; bulk < 2; ++bulk) {
+      std::printf("rows of %d B %s, %s:", kRowBytes, bulk ? "by bulk copies (TMA)" : "by 16-byte stores",
+                  dual ? "to the peer and a local copy" : "to the peer only");
+      for (int sms : {8, 12, 16, 24})
+        std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                      if (bulk)
+                        bulk_copy_rows<<<sms, 512, bulk_smem, g.sm>>>(peer_of(g).inbox, dual ? g.own : nullptr, g.mine,
+                                                                      num_rows, kRowBytes);
+                      else
+                        copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox),
+                                                          dual ? reinterpret_cast<int4*>(g.own) : nullptr,
+                                                          reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                      CHECK(cudaGetLastError());
+                    }));
+      std::printf("\n");
+    }
   }
   std::printf("SMs storing into the peer, 16 B past the lines:");
   for (int sms : {8, 16, 24}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
