@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK(call)                                                                               \
@@ -214,8 +215,11 @@ int main(int argc, char** argv) {
   std::printf("device: %s x2, %.1f MB per direction per round, both directions at once\n", prop.name,
               total_bytes / 1e6);
 
+  // `link_probe MB rows`: only the dispatch-shaped rows below.
+  const bool rows_only = argc > 2 && std::string(argv[2]) == "rows";
   const double sizes_mb[] = {3.7, 7.3, 14.7, 29.4, 58.7};
   for (bool pull : {false, true}) {
+    if (rows_only) break;
     std::printf("copy engine %s:", pull ? "pull" : "push");
     for (double mb : sizes_mb) {
       const size_t piece = static_cast<size_t>(mb * 1e6) / 16 * 16;
@@ -225,6 +229,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   for (bool pull : {false, true}) {
+    if (rows_only) break;
     std::printf("SMs %s:", pull ? "loading from the peer" : "storing into the peer");
     for (int sms : {4, 8, 16, 24, 32}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
                                                      sm_copy(g, 0, total_bytes, sms, pull);
@@ -235,7 +240,10 @@ int main(int argc, char** argv) {
   constexpr int kRowBytes = 14336;
   const int num_rows = static_cast<int>(total_bytes / kRowBytes);
   const int bulk_smem = 16 * kRowBytes;
-  CHECK(cudaFuncSetAttribute(bulk_copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk_smem));
+  for (Gpu& g : gpus) {  // a function attribute is set per device
+    CHECK(cudaSetDevice(g.id));
+    CHECK(cudaFuncSetAttribute(bulk_copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk_smem));
+  }
   for (int dual = 0; dual < 2; ++dual) {
     for (int bulk = 0; bulk < 2; ++bulk) {
       std::printf("rows of %d B %s, %s:", kRowBytes, bulk ? "by bulk copies (TMA)" : "by 16-byte stores",
@@ -254,6 +262,18 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
   }
+  // The local copy by the copy engine instead, beside the SMs' rows into the peer.
+  std::printf("rows of %d B by 16-byte stores to the peer, the local copy by the copy engine:", kRowBytes);
+  for (int sms : {8, 12, 16, 24})
+    std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                  CHECK(cudaMemcpyAsync(g.own, g.mine, static_cast<size_t>(num_rows) * kRowBytes,
+                                        cudaMemcpyDeviceToDevice, g.copy));
+                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
+                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  CHECK(cudaGetLastError());
+                }));
+  std::printf("\n");
+  if (rows_only) return 0;
   std::printf("SMs storing into the peer, 16 B past the lines:");
   for (int sms : {8, 16, 24}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
                                             sm_copy(g, 0, total_bytes, sms, false, 16);
