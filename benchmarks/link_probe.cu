@@ -106,6 +106,23 @@ __global__ void __launch_bounds__(512, 1) bulk_copy_rows(char* remote, char* loc
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// Local traffic on other SMs beside the rows into the peer: 0 = copy (read and write), 1 = read only,
+// 2 = write only, over `num_units` 16-byte units of `a` (and `b`).
+__global__ void local_traffic(int4* a, const int4* b, size_t num_units, int mode) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  int4 sink = make_int4(0, 0, 0, 0);
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_units; i += stride) {
+    if (mode == 2) {
+      __stcg(a + i, make_int4(static_cast<int>(i), 0, 0, 0));
+    } else {
+      const int4 v = __ldcg(b + i);
+      if (mode == 0) __stcg(a + i, v);
+      else sink.x ^= v.x, sink.y ^= v.y;
+    }
+  }
+  if (sink.x == 0x7fffffff && sink.y == 0x7fffffff) a[0] = sink;  // keeps the read-only loads
+}
+
 __global__ void spin(long long cycles) {
   const long long start = clock64();
   while (clock64() - start < cycles) {
@@ -273,6 +290,18 @@ int main(int argc, char** argv) {
                   CHECK(cudaGetLastError());
                 }));
   std::printf("\n");
+  // Where the local writes collide with the link: 12 SMs send rows into the peer while 12 other SMs
+  // copy, only read or only write the same number of bytes locally (a separate stream).
+  const char* traffic_names[] = {"copy", "read", "write"};
+  for (int mode = 0; mode < 3; ++mode)
+    std::printf("rows into the peer by 12 SMs, 12 other SMs %s the same bytes locally: %.1f GB/s\n",
+                traffic_names[mode], measure([&](Gpu& g) {
+                  local_traffic<<<12, 1024, 0, g.copy>>>(reinterpret_cast<int4*>(g.own),
+                                                         reinterpret_cast<const int4*>(g.mine + 0), total_bytes / 16, mode);
+                  copy_rows<<<12, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
+                                                   reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  CHECK(cudaGetLastError());
+                }));
   if (rows_only) return 0;
   std::printf("SMs storing into the peer, 16 B past the lines:");
   for (int sms : {8, 16, 24}) std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
