@@ -19,6 +19,7 @@
 #              BF16 at 24 SMs with the combine on the SMs only (buffer.combine_staging_tokens: 0)
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
 #   probe      benchmarks/link_probe.cu: the link by copy engine (push, pull) and by SM stores and loads
+#              (PROBE_ARGS="58.7 rows": only the dispatch-shaped rows and what local traffic costs them)
 #   variants   one bench run (BF16, 24 SMs, no baseline) per line of VARIANTS: "name|ENV=value ...|bench args"
 #              (the diagnostics EP_PLUGIN_DISPATCH_UNROLL and EP_PLUGIN_COMBINE_COPY_PIECES, or --config FILE)
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
@@ -196,7 +197,7 @@ for s in $STAGES; do
       ;;
     probe)  # what the link carries by who moves the bytes (benchmarks/link_probe.cu)
       stage probe nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/link_probe.cu && \
-        stage probe /tmp/link_probe
+        stage probe /tmp/link_probe ${PROBE_ARGS:-}
       ;;
     variants)  # BF16, 24 SMs: each VARIANTS entry "name|ENV=value ...|bench args" as its own bench run
       while IFS='|' read -r name envs args; do
