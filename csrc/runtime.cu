@@ -86,7 +86,6 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
 }
 
 void IntranodeRuntime::read_tuning_overrides() {
-  if (const char* unroll = std::getenv("EP_PLUGIN_DISPATCH_UNROLL")) dispatch_copy_unroll_ = std::atoi(unroll);
   if (const char* share = std::getenv("EP_PLUGIN_DISPATCH_SELF_SHARE")) {
     EP_CHECK_ARG(std::sscanf(share, "%d/%d", &self_copy_receiver_rounds_, &self_copy_period_) == 2 &&
                      self_copy_period_ >= 1 && self_copy_receiver_rounds_ >= 0 &&
@@ -95,11 +94,6 @@ void IntranodeRuntime::read_tuning_overrides() {
   }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
-  if (const char* rows = std::getenv("EP_PLUGIN_COMBINE_COPY_ROWS")) {
-    EP_CHECK_ARG(std::sscanf(rows, "%d,%d", &first_copy_rows_, &last_copy_rows_) == 2 && first_copy_rows_ >= 0 &&
-                     last_copy_rows_ >= 0,
-                 "EP_PLUGIN_COMBINE_COPY_ROWS must be FIRST,LAST (rows >= 0), got " << rows);
-  }
 }
 
 void IntranodeRuntime::watch_for_device_errors() {
@@ -212,7 +206,6 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
                                      intranode::slots_per_sub_ring(args.recv_tokens_per_channel),
                                      intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
   require_buffer_fits(layout.total_bytes(), "dispatch");
-  args.copy_unroll = dispatch_copy_unroll_;
   args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
   args.self_copy_period = self_copy_period_;
   intranode::launch_dispatch(args, stream);
@@ -340,19 +333,15 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t rows_per_piece = layout.rows_per_piece;
-  for (int64_t done = 0; done < rows;) {
-    const int64_t piece = done / rows_per_piece, in_piece = done % rows_per_piece;
+  // One piece per copy (larger copies measured slower: the owner waits longer for its first rows).
+  for (int64_t piece = 0, done = 0; done < rows; ++piece) {
     const int slot = static_cast<int>(piece % layout.num_slots);
-    if (piece >= layout.num_slots && in_piece == 0)  // the owner must have summed the slot's previous piece
+    if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
       wait_for_owner(&mine->staged_freed[owner][slot],
                      staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
-    // A copy stays within one piece; the first and the last copy of the block may be shorter, so that
-    // the owner starts summing sooner and has less left to sum after the last copy lands.
-    int64_t count = std::min(rows_per_piece - in_piece, rows - done);
-    if (done == 0 && first_copy_rows_ > 0) count = std::min<int64_t>(count, first_copy_rows_);
-    if (last_copy_rows_ > 0 && rows - done > last_copy_rows_) count = std::min<int64_t>(count, rows - last_copy_rows_ - done);
+    const int64_t count = std::min(rows_per_piece, rows - done);
     const int64_t row = first + done;
-    const int64_t staged = static_cast<int64_t>(slot) * rows_per_piece + in_piece;
+    const int64_t staged = static_cast<int64_t>(slot) * rows_per_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                                count * row_bytes, cudaMemcpyDeviceToDevice, stream));
     if (has_weights && !weights_whole)

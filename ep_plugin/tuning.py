@@ -17,7 +17,6 @@ MAX_LOCAL_EXPERTS = 1024       # experts per rank reported by the notify step
 WARPS_PER_CHANNEL = 16         # sender/receiver warps per channel, one sub-ring each
 SLOT_META_BYTES = 272          # row, source index, top-k ids and weights: align16(8 + 8 * MAX_TOPK)
 SLOT_LINE_BYTES = 128          # payloads start, and slots end, on whole 128-byte lines
-SLOT_PAYLOAD_OFFSET = 384      # SLOT_META_BYTES rounded up to a line
 NVL_HEADER_BYTES = 1 << 20     # notify area, barrier signals, ring counters, persistent state
 # The copy-engine combine's staging area (StagingLayout): per peer, up to 64 slots of 512-row pieces;
 # a row is its bf16 hidden plus room for MAX_TOPK float weights.
@@ -50,6 +49,9 @@ INTERNODE_HEADER_BYTES = (4 * INTERNODE_MAX_NODES * INTERNODE_NOTIFY_SLOT_BYTES 
 
 def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+SLOT_PAYLOAD_OFFSET = _align(SLOT_META_BYTES, SLOT_LINE_BYTES)  # where a slot's payload starts
 
 
 def slots_per_sub_ring(num_max_nvl_chunked_recv_tokens: int) -> int:

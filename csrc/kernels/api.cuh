@@ -68,7 +68,6 @@ struct DispatchArgs {
   int32_t* recv_src_idx;            // [rows] or nullptr
   int num_worst_tokens;             // > 0: rows past *num_recv_tokens are padding
   const int32_t* num_recv_tokens;   // [1]
-  int copy_unroll;                  // 16-byte units in flight per lane in the row copies (8 or 16)
   int self_copy_receiver_rounds;    // of every self_copy_period rounds of a sender warp's tokens, how many
   int self_copy_period;             // have their own-rank rows copied by the receiver blocks (0 of 1: none)
   DeviceStatus* status;

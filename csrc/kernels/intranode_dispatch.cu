@@ -28,7 +28,6 @@ __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int nu
   return expert >= 0 && local >= 0 && local < num_local_experts ? static_cast<int32_t>(local) : -1;
 }
 
-template <int kUnroll>
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                 int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -101,7 +100,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     }
     const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                         static_cast<int64_t>(t) * a.row_bytes);
-    warp_copy_units_to_all<Load::kReadOnly, kUnroll>(dst, src_row, num_units);
+    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, num_units);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for (int i = lane; i < a.num_scales; i += 32) {
@@ -167,15 +166,13 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   phases.store();
 }
 
-template <int kUnroll>
 __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot) {
   const int lane = lane_id();
   const SlotMeta* meta = reinterpret_cast<const SlotMeta*>(slot);
   const int row = ld_cg_s32(&meta->row);
   const int4* payload = reinterpret_cast<const int4*>(slot + kSlotPayloadOffset);
   int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes);
-  int4* const out[1] = {out_row};
-  warp_copy_units_to_all<Load::kL2Only, kUnroll>(out, payload, a.row_bytes / 16);
+  warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
   const float* scales = reinterpret_cast<const float*>(slot + kSlotPayloadOffset + a.row_bytes);
   for (int i = lane; i < a.num_scales; i += 32)
     a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = ld_cg_f32(scales + i);
@@ -188,13 +185,12 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
 }
 
 // Token t's row for this rank itself (if it has one): x to recv_x and its metadata, all local.
-template <int kUnroll>
 __device__ void copy_own_token(const DispatchArgs& a, int t) {
   const int lane = lane_id();
   const int row = a.send_pos[static_cast<int64_t>(t) * a.num_ranks + a.rank];
   if (row < 0) return;
   int4* const out[1] = {reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes)};
-  warp_copy_units_to_all<Load::kReadOnly, kUnroll>(
+  warp_copy_units_to_all<Load::kReadOnly>(
       out, reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(t) * a.row_bytes),
       a.row_bytes / 16);
   for (int i = lane; i < a.num_scales; i += 32)
@@ -209,7 +205,6 @@ __device__ void copy_own_token(const DispatchArgs& a, int t) {
   if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = t;
 }
 
-template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                   int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -256,11 +251,11 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
       const uint32_t begin = shfl(consumed, s), end = shfl(available, s);
       const uint8_t* src_ring = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(ring), s));
       for (uint32_t i = begin; i < end; ++i)
-        copy_slot_to_outputs<kUnroll>(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
+        copy_slot_to_outputs(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
       progressed |= end != begin;
     }
     if (own_token < own_end) {
-      copy_own_token<kUnroll>(a, own_token);
+      copy_own_token(a, own_token);
       ++own_round;
       own_token = next_own_token();
       progressed = true;
@@ -304,8 +299,6 @@ __device__ void mark_padding_rows(const DispatchArgs& a, int receiver_index, int
       a.recv_src_idx[row] = -1;
 }
 
-// kUnroll: 16-byte units in flight per lane in the row copies.
-template <int kUnroll>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
@@ -321,10 +314,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
   const uint64_t start_ns = global_timer_ns();
 #endif
   if (is_sender) {
-    dispatch_sender<kUnroll>(args, layout, me, epoch, channel, warp, site);
+    dispatch_sender(args, layout, me, epoch, channel, warp, site);
   } else {
     mark_padding_rows(args, channel, args.num_channels);
-    dispatch_receiver<kUnroll>(args, layout, me, epoch, channel, warp, site);
+    dispatch_receiver(args, layout, me, epoch, channel, warp, site);
   }
   finish_operation(me, epoch);
 #ifdef EP_PLUGIN_PHASE_PROFILE
@@ -347,9 +340,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
                "x_scales and num_scales disagree");
-  EP_CHECK_ARG(args.copy_unroll == 8 || args.copy_unroll == 16, "copy_unroll must be 8 or 16, got " << args.copy_unroll);
-  if (args.copy_unroll == 16) dispatch_kernel<16><<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
-  else dispatch_kernel<8><<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 

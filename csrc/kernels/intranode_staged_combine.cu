@@ -1,8 +1,8 @@
 // Copy-engine combine: the kernels on the owner's side and the sender's waits.
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
-// source rank), so the host copies them into o's staging area with the copy engines, a piece (or
-// part of one) per copy on one stream per owner; after each copy a signal stream counts the rows
+// source rank), so the host copies them into o's staging area with the copy engines, a piece per
+// copy on one stream per owner; after each copy a signal stream counts the rows
 // landed in o's header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
 // takes tokens in order, waits (on its own header) for the rows that hold their copies, sums
 // them with its own copy, and frees a piece's staging slot for its sender once every row of it is
