@@ -134,7 +134,8 @@ struct Gpu {
   char* mine;   // this GPU's source bytes
   char* inbox;  // where the peer's bytes land on this GPU
   char* own;    // a second local destination (a dispatch's own copy)
-  cudaStream_t main, copy, sm;
+  char* unpacked;  // a third: where a receiver would unpack the inbox
+  cudaStream_t main, copy, sm, extra;
   cudaEvent_t start, end;
 };
 
@@ -156,6 +157,7 @@ double measure(Issue issue) {
       CHECK(cudaEventRecord(g.start, g.main));
       CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
       CHECK(cudaStreamWaitEvent(g.sm, g.start, 0));
+      CHECK(cudaStreamWaitEvent(g.extra, g.start, 0));
     }
     for (Gpu& g : gpus) {
       CHECK(cudaSetDevice(g.id));
@@ -163,12 +165,12 @@ double measure(Issue issue) {
     }
     for (Gpu& g : gpus) {
       CHECK(cudaSetDevice(g.id));
-      cudaEvent_t joined[2];
+      cudaEvent_t joined[3];
       for (auto& e : joined) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
       CHECK(cudaEventRecord(joined[0], g.copy));
       CHECK(cudaEventRecord(joined[1], g.sm));
-      CHECK(cudaStreamWaitEvent(g.main, joined[0], 0));
-      CHECK(cudaStreamWaitEvent(g.main, joined[1], 0));
+      CHECK(cudaEventRecord(joined[2], g.extra));
+      for (auto& e : joined) CHECK(cudaStreamWaitEvent(g.main, e, 0));
       CHECK(cudaEventRecord(g.end, g.main));
       for (auto& e : joined) CHECK(cudaEventDestroy(e));
     }
@@ -220,10 +222,12 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.mine, total_bytes));
     CHECK(cudaMalloc(&g.inbox, total_bytes));
     CHECK(cudaMalloc(&g.own, total_bytes));
+    CHECK(cudaMalloc(&g.unpacked, total_bytes));
     CHECK(cudaMemset(g.mine, id + 1, total_bytes));
     CHECK(cudaStreamCreateWithFlags(&g.main, cudaStreamNonBlocking));
     CHECK(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking));
     CHECK(cudaStreamCreateWithFlags(&g.sm, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&g.extra, cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&g.start));
     CHECK(cudaEventCreate(&g.end));
   }
@@ -233,7 +237,9 @@ int main(int argc, char** argv) {
               total_bytes / 1e6);
 
   // `link_probe MB rows`: only the dispatch-shaped rows below.
-  const bool rows_only = argc > 2 && std::string(argv[2]) == "rows";
+  // `link_probe MB roles`: only the local copies and the dispatch split into roles (the last lines).
+  const bool roles_only = argc > 2 && std::string(argv[2]) == "roles";
+  const bool rows_only = roles_only || (argc > 2 && std::string(argv[2]) == "rows");
   const double sizes_mb[] = {3.7, 7.3, 14.7, 29.4, 58.7};
   for (bool pull : {false, true}) {
     if (rows_only) break;
@@ -261,7 +267,7 @@ int main(int argc, char** argv) {
     CHECK(cudaSetDevice(g.id));
     CHECK(cudaFuncSetAttribute(bulk_copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk_smem));
   }
-  for (int dual = 0; dual < 2; ++dual) {
+  for (int dual = 0; dual < 2 && !roles_only; ++dual) {
     for (int bulk = 0; bulk < 2; ++bulk) {
       std::printf("rows of %d B %s, %s:", kRowBytes, bulk ? "by bulk copies (TMA)" : "by 16-byte stores",
                   dual ? "to the peer and a local copy" : "to the peer only");
@@ -280,8 +286,9 @@ int main(int argc, char** argv) {
     }
   }
   // The local copy by the copy engine instead, beside the SMs' rows into the peer.
-  std::printf("rows of %d B by 16-byte stores to the peer, the local copy by the copy engine:", kRowBytes);
-  for (int sms : {8, 12, 16, 24})
+  if (!roles_only) std::printf("rows of %d B by 16-byte stores to the peer, the local copy by the copy engine:", kRowBytes);
+  for (int sms : {8, 12, 16, 24}) {
+    if (roles_only) break;
     std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
                   CHECK(cudaMemcpyAsync(g.own, g.mine, static_cast<size_t>(num_rows) * kRowBytes,
                                         cudaMemcpyDeviceToDevice, g.copy));
@@ -289,17 +296,51 @@ int main(int argc, char** argv) {
                                                     reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
                   CHECK(cudaGetLastError());
                 }));
-  std::printf("\n");
+  }
+  if (!roles_only) std::printf("\n");
   // Where the local writes collide with the link: 12 SMs send rows into the peer while 12 other SMs
   // copy, only read or only write the same number of bytes locally (a separate stream).
   const char* traffic_names[] = {"copy", "read", "write"};
-  for (int mode = 0; mode < 3; ++mode)
+  for (int mode = 0; mode < 3 && !roles_only; ++mode)
     std::printf("rows into the peer by 12 SMs, 12 other SMs %s the same bytes locally: %.1f GB/s\n",
                 traffic_names[mode], measure([&](Gpu& g) {
                   local_traffic<<<12, 1024, 0, g.copy>>>(reinterpret_cast<int4*>(g.own),
                                                          reinterpret_cast<const int4*>(g.mine + 0), total_bytes / 16, mode);
                   copy_rows<<<12, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  CHECK(cudaGetLastError());
+                }));
+  // How fast SMs copy rows locally (x to the own copy), alone on the GPU.
+  std::printf("rows of %d B copied locally only, GB/s copied:", kRowBytes);
+  for (int sms : {2, 4, 8, 12})
+    std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(g.own), nullptr,
+                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  CHECK(cudaGetLastError());
+                }));
+  std::printf("\n");
+  // A dispatch split into three roles on separate SMs: S SMs send rows into the peer, O SMs copy the
+  // own rows locally, U SMs unpack the inbox (which the peer is filling) into a third buffer.
+  const int splits[][3] = {{8, 8, 8}, {10, 7, 7}, {12, 6, 6}, {8, 4, 12}, {8, 12, 4}};
+  for (const auto& split : splits)
+    std::printf("rows into the peer by %d SMs, own rows by %d, unpack by %d: %.1f GB/s\n", split[0], split[1], split[2],
+                measure([&](Gpu& g) {
+                  copy_rows<<<split[0], 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
+                                                         reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  copy_rows<<<split[1], 512, 0, g.copy>>>(reinterpret_cast<int4*>(g.own), nullptr,
+                                                           reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  copy_rows<<<split[2], 512, 0, g.extra>>>(reinterpret_cast<int4*>(g.unpacked), nullptr,
+                                                            reinterpret_cast<const int4*>(g.inbox), num_rows, kRowBytes / 16);
+                  CHECK(cudaGetLastError());
+                }));
+  // Today's dispatch for comparison: S SMs send rows into the peer and write the own copy, U unpack.
+  for (int sms : {8, 12})
+    std::printf("rows into the peer and the own copy by %d SMs, unpack by %d: %.1f GB/s\n", sms, sms,
+                measure([&](Gpu& g) {
+                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), reinterpret_cast<int4*>(g.own),
+                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
+                  copy_rows<<<sms, 512, 0, g.extra>>>(reinterpret_cast<int4*>(g.unpacked), nullptr,
+                                                       reinterpret_cast<const int4*>(g.inbox), num_rows, kRowBytes / 16);
                   CHECK(cudaGetLastError());
                 }));
   if (rows_only) return 0;
