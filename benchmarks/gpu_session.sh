@@ -19,7 +19,8 @@
 #              BF16 at 24 SMs with the combine on the SMs only (buffer.combine_staging_tokens: 0)
 #   sweeps     SM sweep 8..48 and token sweep 128..16384 with plots
 #   probe      benchmarks/link_probe.cu: the link by copy engine (push, pull) and by SM stores and loads
-#              (PROBE_ARGS="58.7 rows": only the dispatch-shaped rows and what local traffic costs them)
+#              (PROBE_ARGS="58.7 rows": only the dispatch-shaped rows and what local traffic costs them;
+#              "58.7 roles": local row copies by SM count and the dispatch's jobs split over separate SMs)
 #   variants   one bench run (BF16, 24 SMs, no baseline) per line of VARIANTS: "name|ENV=value ...|bench args"
 #              (the diagnostics EP_PLUGIN_DISPATCH_UNROLL and EP_PLUGIN_COMBINE_COPY_PIECES, or --config FILE)
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
