@@ -92,6 +92,7 @@ void IntranodeRuntime::read_tuning_overrides() {
                      self_copy_receiver_rounds_ <= self_copy_period_,
                  "EP_PLUGIN_DISPATCH_SELF_SHARE must be K/M with 0 <= K <= M, M >= 1, got " << share);
   }
+  if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -208,6 +209,7 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
   require_buffer_fits(layout.total_bytes(), "dispatch");
   args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
   args.self_copy_period = self_copy_period_;
+  args.late_scales = late_scales_;
   intranode::launch_dispatch(args, stream);
 }
 

@@ -80,8 +80,8 @@ class IntranodeRuntime {
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
-  // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_COMBINE_PAIR,
-  // EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
+  // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
+  // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -96,6 +96,7 @@ class IntranodeRuntime {
   int64_t staging_offset_ = 0, staging_bytes_ = 0;
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
+  bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,

@@ -19,7 +19,7 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
-def make_buffers(group, num_sms: int = 24, max_hidden: int = 8192, timeout_s: float = 20.0,
+def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
                  check_inputs: bool = True, combine_staging_tokens=4096):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
@@ -39,6 +39,8 @@ CASES = NORMAL_MODE_CASES + (
        dict(name="sms2", T=300, H=2048, K=8, E=64, config=Config(2, 8, 64), combine_config=Config(2, 8, 64)),
        dict(name="sms16", T=3000, H=7168, K=8, E=256, config=Config(16, 8, 64), combine_config=Config(16, 8, 64)),
        dict(name="sms48", T=1000, H=7168, K=8, E=256, config=Config(48, 8, 64), combine_config=Config(48, 8, 64)),
+       # 132 FP8 scales per token: more than the dispatch loads before the row copy (128), the rest after.
+       dict(name="fp8_many_scales", T=256, H=16896, K=8, E=64, fp8=True),
        # More rows x top-k than a two-piece staging area's weights hold: each piece then carries its own.
        dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64)]
 )

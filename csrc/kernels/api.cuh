@@ -70,6 +70,7 @@ struct DispatchArgs {
   const int32_t* num_recv_tokens;   // [1]
   int self_copy_receiver_rounds;    // of every self_copy_period rounds of a sender warp's tokens, how many
   int self_copy_period;             // have their own-rank rows copied by the receiver blocks (0 of 1: none)
+  bool late_scales;                 // load FP8 scales after the row copy (diagnostic; default: before it)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

@@ -28,6 +28,44 @@ __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int nu
   return expert >= 0 && local >= 0 && local < num_local_experts ? static_cast<int32_t>(local) : -1;
 }
 
+// A token's FP8 scales: the first kEarlyScalesPerLane per lane are loaded before its row is copied, so
+// that their latency hides under the copy. Loaded after it, each 32 of them cost a memory round trip
+// of their own; an FP8 row (7 KB) is only two.
+constexpr int kEarlyScalesPerLane = 4;
+
+// Scales [0, num_early) are loaded early: min(num_scales, 32 * kEarlyScalesPerLane), or 0 (diagnostic).
+__device__ __forceinline__ int early_scale_count(const DispatchArgs& a) {
+  return a.late_scales ? 0 : min(a.num_scales, 32 * kEarlyScalesPerLane);
+}
+
+template <Load kLoad>
+__device__ __forceinline__ void load_early_scales(const float* scales, int num_early,
+                                                  float (&early)[kEarlyScalesPerLane]) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int k = 0; k < kEarlyScalesPerLane; ++k) {
+    const int i = lane + 32 * k;
+    early[k] = 0.f;
+    if (i < num_early) {
+      if constexpr (kLoad == Load::kReadOnly) early[k] = __ldg(scales + i);
+      else early[k] = ld_cg_f32(scales + i);
+    }
+  }
+}
+
+// Calls store(i, scale) for every scale i of the token this lane owns: the early ones from registers,
+// the others loaded now.
+template <Load kLoad, typename Store>
+__device__ __forceinline__ void for_each_scale(const float* scales, int num_scales, int num_early,
+                                               const float (&early)[kEarlyScalesPerLane], Store store) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int k = 0; k < kEarlyScalesPerLane; ++k)
+    if (lane + 32 * k < num_early) store(lane + 32 * k, early[k]);
+  for (int i = lane + (num_early / 32) * 32; i < num_scales; i += 32)
+    if (i >= num_early) store(i, kLoad == Load::kReadOnly ? __ldg(scales + i) : ld_cg_f32(scales + i));
+}
+
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                 int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -100,18 +138,21 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     }
     const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                         static_cast<int64_t>(t) * a.row_bytes);
+    const float* token_scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
+    const int num_early = early_scale_count(a);
+    float early_scales[kEarlyScalesPerLane];
+    load_early_scales<Load::kReadOnly>(token_scales, num_early, early_scales);
     warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, num_units);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
-    for (int i = lane; i < a.num_scales; i += 32) {
-      const float scale = a.x_scales[static_cast<int64_t>(t) * a.num_scales + i];
+    for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r) {
         if (dst[r] == nullptr) continue;
         if (r == a.rank) a.recv_x_scales[static_cast<int64_t>(self_row) * a.num_scales + i] = scale;
         else reinterpret_cast<float*>(dst[r] + payload_scales_offset)[i] = scale;
       }
-    }
+    });
 
     // Top-k ids become destination-local expert ids (-1 elsewhere); weights follow them.
     if (has_topk) {
@@ -172,10 +213,14 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
   const int row = ld_cg_s32(&meta->row);
   const int4* payload = reinterpret_cast<const int4*>(slot + kSlotPayloadOffset);
   int4* out_row = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes);
-  warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
   const float* scales = reinterpret_cast<const float*>(slot + kSlotPayloadOffset + a.row_bytes);
-  for (int i = lane; i < a.num_scales; i += 32)
-    a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = ld_cg_f32(scales + i);
+  const int num_early = early_scale_count(a);
+  float early_scales[kEarlyScalesPerLane];
+  load_early_scales<Load::kL2Only>(scales, num_early, early_scales);
+  warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
+  for_each_scale<Load::kL2Only>(scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
+    a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = scale;
+  });
   if (a.num_topk > 0 && lane < a.num_topk) {
     a.recv_topk_idx[static_cast<int64_t>(row) * a.num_topk + lane] = ld_cg_s32(&meta->topk_idx[lane]);
     if (a.recv_topk_weights != nullptr)
