@@ -22,7 +22,7 @@
 #              (PROBE_ARGS="58.7 rows": only the dispatch-shaped rows and what local traffic costs them;
 #              "58.7 roles": local row copies by SM count and the dispatch's jobs split over separate SMs)
 #   variants   one bench run (BF16, 24 SMs, no baseline) per line of VARIANTS: "name|ENV=value ...|bench args"
-#              (the diagnostics EP_PLUGIN_DISPATCH_UNROLL and EP_PLUGIN_COMBINE_COPY_PIECES, or --config FILE)
+#              (the diagnostic environment variables of docs/configuration.md, or --config FILE)
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
 #   ll         native low-latency GPU tests (LL_TESTS=0 skips them; the missing-peer ones are in
 #              `timeouts`), then benchmarks/bench_low_latency.py, then again at 1/128/256 tokens with fp32

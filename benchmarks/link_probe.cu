@@ -141,6 +141,8 @@ struct Gpu {
 
 Gpu gpus[2];
 size_t total_bytes;
+constexpr int kRowBytes = 14336;  // dispatch-shaped rows: 7168 bf16 values
+int num_rows;                     // rows in the round's bytes
 
 // One experiment: `issue(g)` queues GPU g's share of the round on its streams.
 template <typename Issue>
@@ -190,6 +192,13 @@ double measure(Issue issue) {
 }
 
 Gpu& peer_of(const Gpu& g) { return gpus[1 - g.id]; }
+
+// copy_rows on `stream`: `sms` SMs move the round's rows from `src` to `remote` (and `local`).
+void rows(cudaStream_t stream, int sms, char* remote, char* local, const char* src) {
+  copy_rows<<<sms, 512, 0, stream>>>(reinterpret_cast<int4*>(remote), reinterpret_cast<int4*>(local),
+                                     reinterpret_cast<const int4*>(src), num_rows, kRowBytes / 16);
+  CHECK(cudaGetLastError());
+}
 
 // Copy-engine pieces of `piece` bytes over [first, last) of the round's bytes, pushed or pulled.
 void engine_copies(Gpu& g, size_t first, size_t last, size_t piece, bool pull) {
@@ -260,64 +269,51 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   // Dispatch-shaped: 14336-byte rows, 512 threads per SM, to the peer and (dual) a local copy.
-  constexpr int kRowBytes = 14336;
-  const int num_rows = static_cast<int>(total_bytes / kRowBytes);
+  num_rows = static_cast<int>(total_bytes / kRowBytes);
   const int bulk_smem = 16 * kRowBytes;
   for (Gpu& g : gpus) {  // a function attribute is set per device
     CHECK(cudaSetDevice(g.id));
     CHECK(cudaFuncSetAttribute(bulk_copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk_smem));
   }
-  for (int dual = 0; dual < 2 && !roles_only; ++dual) {
-    for (int bulk = 0; bulk < 2; ++bulk) {
-      std::printf("rows of %d B %s, %s:", kRowBytes, bulk ? "by bulk copies (TMA)" : "by 16-byte stores",
-                  dual ? "to the peer and a local copy" : "to the peer only");
-      for (int sms : {8, 12, 16, 24})
-        std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
-                      if (bulk)
-                        bulk_copy_rows<<<sms, 512, bulk_smem, g.sm>>>(peer_of(g).inbox, dual ? g.own : nullptr, g.mine,
-                                                                      num_rows, kRowBytes);
-                      else
-                        copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox),
-                                                          dual ? reinterpret_cast<int4*>(g.own) : nullptr,
-                                                          reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                      CHECK(cudaGetLastError());
-                    }));
-      std::printf("\n");
+  if (!roles_only) {
+    for (int dual = 0; dual < 2; ++dual) {
+      for (int bulk = 0; bulk < 2; ++bulk) {
+        std::printf("rows of %d B %s, %s:", kRowBytes, bulk ? "by bulk copies (TMA)" : "by 16-byte stores",
+                    dual ? "to the peer and a local copy" : "to the peer only");
+        for (int sms : {8, 12, 16, 24})
+          std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                        char* local = dual ? g.own : nullptr;
+                        if (!bulk) return rows(g.sm, sms, peer_of(g).inbox, local, g.mine);
+                        bulk_copy_rows<<<sms, 512, bulk_smem, g.sm>>>(peer_of(g).inbox, local, g.mine, num_rows, kRowBytes);
+                        CHECK(cudaGetLastError());
+                      }));
+        std::printf("\n");
+      }
     }
+    // The local copy by the copy engine instead, beside the SMs' rows into the peer.
+    std::printf("rows of %d B by 16-byte stores to the peer, the local copy by the copy engine:", kRowBytes);
+    for (int sms : {8, 12, 16, 24})
+      std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
+                    CHECK(cudaMemcpyAsync(g.own, g.mine, static_cast<size_t>(num_rows) * kRowBytes,
+                                          cudaMemcpyDeviceToDevice, g.copy));
+                    rows(g.sm, sms, peer_of(g).inbox, nullptr, g.mine);
+                  }));
+    std::printf("\n");
+    // Where the local writes collide with the link: 12 SMs send rows into the peer while 12 other SMs
+    // copy, only read or only write the same number of bytes locally (a separate stream).
+    const char* traffic_names[] = {"copy", "read", "write"};
+    for (int mode = 0; mode < 3; ++mode)
+      std::printf("rows into the peer by 12 SMs, 12 other SMs %s the same bytes locally: %.1f GB/s\n",
+                  traffic_names[mode], measure([&](Gpu& g) {
+                    local_traffic<<<12, 1024, 0, g.copy>>>(reinterpret_cast<int4*>(g.own),
+                                                           reinterpret_cast<const int4*>(g.mine), total_bytes / 16, mode);
+                    rows(g.sm, 12, peer_of(g).inbox, nullptr, g.mine);
+                  }));
   }
-  // The local copy by the copy engine instead, beside the SMs' rows into the peer.
-  if (!roles_only) std::printf("rows of %d B by 16-byte stores to the peer, the local copy by the copy engine:", kRowBytes);
-  for (int sms : {8, 12, 16, 24}) {
-    if (roles_only) break;
-    std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
-                  CHECK(cudaMemcpyAsync(g.own, g.mine, static_cast<size_t>(num_rows) * kRowBytes,
-                                        cudaMemcpyDeviceToDevice, g.copy));
-                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
-                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  CHECK(cudaGetLastError());
-                }));
-  }
-  if (!roles_only) std::printf("\n");
-  // Where the local writes collide with the link: 12 SMs send rows into the peer while 12 other SMs
-  // copy, only read or only write the same number of bytes locally (a separate stream).
-  const char* traffic_names[] = {"copy", "read", "write"};
-  for (int mode = 0; mode < 3 && !roles_only; ++mode)
-    std::printf("rows into the peer by 12 SMs, 12 other SMs %s the same bytes locally: %.1f GB/s\n",
-                traffic_names[mode], measure([&](Gpu& g) {
-                  local_traffic<<<12, 1024, 0, g.copy>>>(reinterpret_cast<int4*>(g.own),
-                                                         reinterpret_cast<const int4*>(g.mine + 0), total_bytes / 16, mode);
-                  copy_rows<<<12, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
-                                                   reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  CHECK(cudaGetLastError());
-                }));
   // How fast SMs copy rows locally (x to the own copy), alone on the GPU.
   std::printf("rows of %d B copied locally only, GB/s copied:", kRowBytes);
   for (int sms : {2, 4, 8, 12})
-    std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) {
-                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(g.own), nullptr,
-                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  CHECK(cudaGetLastError());
-                }));
+    std::printf("  %d SMs %.1f GB/s", sms, measure([&](Gpu& g) { rows(g.sm, sms, g.own, nullptr, g.mine); }));
   std::printf("\n");
   // A dispatch split into three roles on separate SMs: S SMs send rows into the peer, O SMs copy the
   // own rows locally, U SMs unpack the inbox (which the peer is filling) into a third buffer.
@@ -325,23 +321,16 @@ int main(int argc, char** argv) {
   for (const auto& split : splits)
     std::printf("rows into the peer by %d SMs, own rows by %d, unpack by %d: %.1f GB/s\n", split[0], split[1], split[2],
                 measure([&](Gpu& g) {
-                  copy_rows<<<split[0], 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), nullptr,
-                                                         reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  copy_rows<<<split[1], 512, 0, g.copy>>>(reinterpret_cast<int4*>(g.own), nullptr,
-                                                           reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  copy_rows<<<split[2], 512, 0, g.extra>>>(reinterpret_cast<int4*>(g.unpacked), nullptr,
-                                                            reinterpret_cast<const int4*>(g.inbox), num_rows, kRowBytes / 16);
-                  CHECK(cudaGetLastError());
+                  rows(g.sm, split[0], peer_of(g).inbox, nullptr, g.mine);
+                  rows(g.copy, split[1], g.own, nullptr, g.mine);
+                  rows(g.extra, split[2], g.unpacked, nullptr, g.inbox);
                 }));
   // Today's dispatch for comparison: S SMs send rows into the peer and write the own copy, U unpack.
   for (int sms : {8, 12})
     std::printf("rows into the peer and the own copy by %d SMs, unpack by %d: %.1f GB/s\n", sms, sms,
                 measure([&](Gpu& g) {
-                  copy_rows<<<sms, 512, 0, g.sm>>>(reinterpret_cast<int4*>(peer_of(g).inbox), reinterpret_cast<int4*>(g.own),
-                                                    reinterpret_cast<const int4*>(g.mine), num_rows, kRowBytes / 16);
-                  copy_rows<<<sms, 512, 0, g.extra>>>(reinterpret_cast<int4*>(g.unpacked), nullptr,
-                                                       reinterpret_cast<const int4*>(g.inbox), num_rows, kRowBytes / 16);
-                  CHECK(cudaGetLastError());
+                  rows(g.sm, sms, peer_of(g).inbox, g.own, g.mine);
+                  rows(g.extra, sms, g.unpacked, nullptr, g.inbox);
                 }));
   if (rows_only) return 0;
   std::printf("SMs storing into the peer, 16 B past the lines:");

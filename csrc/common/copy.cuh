@@ -25,6 +25,14 @@ __device__ __forceinline__ int4 load_unit(const int4* ptr) {
   else return *ptr;
 }
 
+// One float by the same path (FP8 scales beside their rows).
+template <Load kLoad>
+__device__ __forceinline__ float load_f32(const float* ptr) {
+  if constexpr (kLoad == Load::kReadOnly) return __ldg(ptr);
+  else if constexpr (kLoad == Load::kL2Only) return ld_cg_f32(ptr);
+  else return *ptr;
+}
+
 // One warp copies `num_units` 16-byte units from `src` to every non-null dst[d] (local memory or a
 // peer's mapping): each unit is loaded once and stored to every destination.
 template <Load kLoad, int kUnroll = kCopyUnroll, typename Ptr, int kDsts>

@@ -45,11 +45,7 @@ __device__ __forceinline__ void load_early_scales(const float* scales, int num_e
 #pragma unroll
   for (int k = 0; k < kEarlyScalesPerLane; ++k) {
     const int i = lane + 32 * k;
-    early[k] = 0.f;
-    if (i < num_early) {
-      if constexpr (kLoad == Load::kReadOnly) early[k] = __ldg(scales + i);
-      else early[k] = ld_cg_f32(scales + i);
-    }
+    early[k] = i < num_early ? load_f32<kLoad>(scales + i) : 0.f;
   }
 }
 
@@ -63,7 +59,7 @@ __device__ __forceinline__ void for_each_scale(const float* scales, int num_scal
   for (int k = 0; k < kEarlyScalesPerLane; ++k)
     if (lane + 32 * k < num_early) store(lane + 32 * k, early[k]);
   for (int i = lane + (num_early / 32) * 32; i < num_scales; i += 32)
-    if (i >= num_early) store(i, kLoad == Load::kReadOnly ? __ldg(scales + i) : ld_cg_f32(scales + i));
+    if (i >= num_early) store(i, load_f32<kLoad>(scales + i));
 }
 
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
