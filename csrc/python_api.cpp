@@ -209,6 +209,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", &IntranodeRuntime::device)
       .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
       .def_property_readonly("staging_bytes", &IntranodeRuntime::staging_bytes)
+      .def_property_readonly("dispatch_bulk_rows", &IntranodeRuntime::dispatch_bulk_rows,
+                             "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
            "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })

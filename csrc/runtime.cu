@@ -79,6 +79,10 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
       found != cudaDriverEntryPointSuccess)
     write_value64_ = nullptr;
   (void)cudaGetLastError();
+  // The dispatch's senders copy rows by bulk copies where the GPU has them (sm_90 on).
+  int major = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+  dispatch_bulk_rows_ = major >= 9;
   read_tuning_overrides();
   if (staging_bytes > 0) preload_staged_combine();
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -93,6 +97,7 @@ void IntranodeRuntime::read_tuning_overrides() {
                  "EP_PLUGIN_DISPATCH_SELF_SHARE must be K/M with 0 <= K <= M, M >= 1, got " << share);
   }
   if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
+  if (const char* bulk = std::getenv("EP_PLUGIN_DISPATCH_BULK")) dispatch_bulk_rows_ = std::atoi(bulk) != 0;
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -210,6 +215,7 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
   args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
   args.self_copy_period = self_copy_period_;
   args.late_scales = late_scales_;
+  args.bulk_rows = dispatch_bulk_rows_;
   intranode::launch_dispatch(args, stream);
 }
 

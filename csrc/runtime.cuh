@@ -42,6 +42,7 @@ class IntranodeRuntime {
   int device() const { return device_; }
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
   int64_t staging_bytes() const { return staging_bytes_; }
+  bool dispatch_bulk_rows() const { return dispatch_bulk_rows_; }
   // Rows per peer the staging area holds at `hidden` with `staging_bytes` (0: too small to use).
   int64_t staging_rows(int64_t staging_bytes, int hidden) const;
 
@@ -80,7 +81,7 @@ class IntranodeRuntime {
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
-  // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
+  // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES, EP_PLUGIN_DISPATCH_BULK,
   // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
@@ -97,6 +98,7 @@ class IntranodeRuntime {
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES
+  bool dispatch_bulk_rows_ = false;  // sm_90 on, unless EP_PLUGIN_DISPATCH_BULK=0
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,

@@ -6,6 +6,7 @@ before native calls so that rows a kernel forgets to write show up as mismatches
 """
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -53,9 +54,12 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     return "copy_engine" if staged else "sm"
 
 
-def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096) -> list:
+def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens)
+    if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
+        expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
+    assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
     done = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
         try:
@@ -94,6 +98,24 @@ def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
     in_order = [c["name"] for c in CASES if c["name"] in names]  # cases_rank runs them in CASES order
     assert sorted(in_order) == sorted(names)
     assert parallel_launch(RANKS, cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
+
+
+# The dispatch's senders copy rows through registers where bulk copies are missing (before sm_90):
+# the same path on this GPU, set by the environment of the spawned ranks.
+REGISTER_COPY_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "fp8_many_scales", "topk9", "routing_one_rank",
+                       "empty_rank", "small_ring", "sms16")
+
+
+def register_copy_cases_rank(rank: int, R: int, group, names) -> list:
+    os.environ["EP_PLUGIN_DISPATCH_BULK"] = "0"  # read when the native Buffer is created
+    return cases_rank(rank, R, group, names, expect_bulk_rows=False)
+
+
+@needs_ranks(RANKS)
+def test_cases_multi_rank_register_copies():
+    in_order = [c["name"] for c in CASES if c["name"] in REGISTER_COPY_CASES]
+    assert sorted(in_order) == sorted(REGISTER_COPY_CASES)
+    assert parallel_launch(RANKS, register_copy_cases_rank, in_order) == [in_order] * RANKS
 
 
 @needs_ranks(1)

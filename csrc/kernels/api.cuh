@@ -71,6 +71,8 @@ struct DispatchArgs {
   int self_copy_receiver_rounds;    // of every self_copy_period rounds of a sender warp's tokens, how many
   int self_copy_period;             // have their own-rank rows copied by the receiver blocks (0 of 1: none)
   bool late_scales;                 // load FP8 scales after the row copy (diagnostic; default: before it)
+  bool bulk_rows;                   // senders copy rows by bulk copies through shared memory (sm_90 on;
+                                    // a build without sm_90 code copies through registers)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

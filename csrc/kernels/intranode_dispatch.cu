@@ -7,6 +7,9 @@
 // then publishes the ring tail; the receiver copies the slot to the row named in its metadata and
 // publishes the ring head back. Tokens for this rank itself skip the ring: the sender writes them
 // straight into recv_x. Rows come from notify's send_pos, so receivers need no ordering.
+// On sm_90 on, a sender warp moves its rows by bulk copies through shared memory (WarpBulkRows), the
+// next rows' loads in flight while a row is stored; metadata, scales and top-k go by plain stores.
+#include "../common/bulk_rows.cuh"
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -62,12 +65,57 @@ __device__ __forceinline__ void for_each_scale(const float* scales, int num_scal
     if (i >= num_early) store(i, load_f32<kLoad>(scales + i));
 }
 
+// The sender's row copies: loads into registers and stores from them, or (kBulk) bulk copies through
+// shared memory.
+template <bool kBulk>
+struct SenderRows;
+
+template <>
+struct SenderRows<false> {
+  __device__ SenderRows(const DispatchArgs&, uint8_t*, int, int, int) {}
+  template <typename Ptr>
+  __device__ void copy(const DispatchArgs& a, int t, int, Ptr const (&dst)[kMaxNvlPeers], uint8_t*) {
+    const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
+                                                        static_cast<int64_t>(t) * a.row_bytes);
+    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, a.row_bytes / 16);
+  }
+  __device__ void skip(int) {}
+  __device__ void after_slot_freed() {}
+  __device__ void complete() {}
+};
+
+#ifdef EP_PLUGIN_HAS_BULK_COPIES
+template <>
+struct SenderRows<true> {
+  // Warp `warp`'s tokens: first_token, first_token + kWarpsPerChannel, ... below token_end.
+  __device__ SenderRows(const DispatchArgs& a, uint8_t* shared, int warp, int first_token, int token_end)
+      : rows(shared, warp, kWarpsPerChannel, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(first_token) * a.row_bytes,
+             static_cast<int64_t>(kWarpsPerChannel) * a.row_bytes,
+             first_token < token_end ? (token_end - first_token + kWarpsPerChannel - 1) / kWarpsPerChannel : 0,
+             a.row_bytes) {}
+  // The k-th token of the warp to this lane's destination (lane r: rank r's).
+  template <typename Ptr>
+  __device__ void copy(const DispatchArgs&, int, int k, Ptr const (&)[kMaxNvlPeers], uint8_t* lane_dst) {
+    rows.copy_row(k, lane_dst);
+  }
+  __device__ void skip(int k) { rows.copy_row(k, nullptr); }
+  // NOTE: the receiver's reads of a slot, seen through this lane's acquire of the ring head, come
+  // before the bulk copies' writes into it.
+  __device__ void after_slot_freed() { fence_proxy_async(); }
+  // Before a release that publishes this lane's rows, and before the kernel ends.
+  __device__ void complete() { bulk_wait_all(); }
+  WarpBulkRows rows;
+};
+#endif
+
+template <bool kBulk>
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
-                                int channel, int warp, const WaitSite& site) {
+                                int channel, int warp, const WaitSite& site, uint8_t* shared) {
   const int lane = lane_id();
   const int R = a.num_ranks;
   int token_begin, token_end;
   channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
+  SenderRows<kBulk> rows(a, shared, warp, token_begin + warp, token_end);
 
   // Lane r drives the sub-ring towards rank r.
   const bool owns_ring = lane < R && lane != a.rank;
@@ -84,7 +132,6 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   uint32_t sent = 0, published = 0, consumed = 0;
   const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
   const int payload_scales_offset = a.row_bytes;
-  const int num_units = a.row_bytes / 16;
 
   // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
   auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
@@ -94,7 +141,11 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     const int pos = lane == a.rank && own_row_by_receiver(a, (t - token_begin) / kWarpsPerChannel) ? -1 : next_pos;
     next_pos = load_pos(t + kWarpsPerChannel);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
-    if (dst_mask == 0) continue;
+    const int round = (t - token_begin - warp) / kWarpsPerChannel;
+    if (dst_mask == 0) {
+      rows.skip(round);
+      continue;
+    }
     // Issue the top-k loads before the row copy, which does not depend on them.
     const bool has_topk = a.num_topk > 0 && lane < a.num_topk;
     const int64_t expert = has_topk ? a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
@@ -107,7 +158,10 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     uint8_t* slot = nullptr;
     if (owns_ring && pos >= 0) {
       if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
-        if (published != sent) st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+        if (published != sent) {
+          rows.complete();
+          st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+        }
         Deadline deadline(site);
         while (true) {
           const uint64_t word = ld_acquire_sys(head);
@@ -115,6 +169,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
           if (sent - consumed < static_cast<uint32_t>(layout.slots)) break;
           deadline.check(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed);
         }
+        rows.after_slot_freed();
       }
       slot = ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes;
     }
@@ -132,13 +187,14 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
         dst[r] = r == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(self_row) * a.row_bytes
                              : remote + kSlotPayloadOffset;
     }
-    const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
-                                                        static_cast<int64_t>(t) * a.row_bytes);
     const float* token_scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
     const int num_early = early_scale_count(a);
     float early_scales[kEarlyScalesPerLane];
     load_early_scales<Load::kReadOnly>(token_scales, num_early, early_scales);
-    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, num_units);
+    uint8_t* const lane_dst = pos < 0 || lane >= R ? nullptr
+                              : lane == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes
+                                               : slot + kSlotPayloadOffset;
+    rows.copy(a, t, round, dst, lane_dst);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
@@ -179,8 +235,10 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     __syncwarp();
     phases.end(1);
     phases.begin();
-    if (owns_ring && pos >= 0 && ++sent - published >= chunk)
+    if (owns_ring && pos >= 0 && ++sent - published >= chunk) {
+      rows.complete();
       st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+    }
     __syncwarp();
     phases.end(2);
   }
@@ -188,6 +246,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 
   // Tell each receiver how many tokens this warp sent, then wait until it consumed them all, so
   // that no peer touches this rank's counters or rings for this epoch after the kernel ends.
+  rows.complete();
   if (owns_ring) {
     st_release_sys(remote_tail, pack_counter(epoch, sent, true));
     Deadline deadline(site);
@@ -341,6 +400,7 @@ __device__ void mark_padding_rows(const DispatchArgs& a, int receiver_index, int
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
+  extern __shared__ __align__(16) uint8_t shared[];
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
@@ -355,7 +415,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
   const uint64_t start_ns = global_timer_ns();
 #endif
   if (is_sender) {
-    dispatch_sender(args, layout, me, epoch, channel, warp, site);
+#ifdef EP_PLUGIN_HAS_BULK_COPIES
+    if (args.bulk_rows) dispatch_sender<true>(args, layout, me, epoch, channel, warp, site, shared);
+    else
+#endif
+      dispatch_sender<false>(args, layout, me, epoch, channel, warp, site, shared);
   } else {
     mark_padding_rows(args, channel, args.num_channels);
     dispatch_receiver(args, layout, me, epoch, channel, warp, site);
@@ -381,7 +445,21 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
                "x_scales and num_scales disagree");
-  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
+  if (args.bulk_rows) {
+    // NOTE: the split into pieces must leave the last piece non-empty (rows up to about 200 KB).
+    const int pieces = (args.row_bytes + kBulkMaxPieceBytes - 1) / kBulkMaxPieceBytes;
+    const int piece_bytes = ((args.row_bytes + pieces - 1) / pieces + 15) / 16 * 16;
+    EP_CHECK_ARG((pieces - 1) * piece_bytes < args.row_bytes,
+                 "rows of " << args.row_bytes << " bytes are too long for the bulk-copy dispatch");
+    static const bool attribute_set = [] {
+      CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      bulk_rows_shared_bytes(kWarpsPerChannel)));
+      return true;
+    }();
+    (void)attribute_set;
+  }
+  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 
