@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/bulk_rows.cuh"
 #include "common/exception.cuh"
 #include "common/text.h"
 #include "kernels/buffer_layout.cuh"
@@ -215,7 +216,8 @@ void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t strea
   args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
   args.self_copy_period = self_copy_period_;
   args.late_scales = late_scales_;
-  args.bulk_rows = dispatch_bulk_rows_;
+  // Rows past the bulk split's reach (about 200 KB) go through registers.
+  args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   intranode::launch_dispatch(args, stream);
 }
 

@@ -20,6 +20,18 @@ __host__ __device__ constexpr int bulk_rows_shared_bytes(int warps) {
   return warps * kBulkStages * (kBulkMaxPieceBytes + static_cast<int>(sizeof(uint64_t)));
 }
 
+// A row goes in bulk_pieces(row_bytes) pieces of bulk_piece_bytes (16-byte multiples; the last one shorter).
+__host__ __device__ constexpr int bulk_pieces(int row_bytes) {
+  return (row_bytes + kBulkMaxPieceBytes - 1) / kBulkMaxPieceBytes;
+}
+__host__ __device__ constexpr int bulk_piece_bytes(int row_bytes) {
+  return ((row_bytes + bulk_pieces(row_bytes) - 1) / bulk_pieces(row_bytes) + 15) / 16 * 16;
+}
+// Whether that split leaves the last piece non-empty (rows up to about 200 KB).
+__host__ __device__ constexpr bool bulk_rows_fit(int row_bytes) {
+  return (bulk_pieces(row_bytes) - 1) * bulk_piece_bytes(row_bytes) < row_bytes;
+}
+
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
 class WarpBulkRows {
  public:
@@ -33,8 +45,8 @@ class WarpBulkRows {
         first_row_(first_row),
         row_stride_(row_stride),
         row_bytes_(row_bytes),
-        pieces_((row_bytes + kBulkMaxPieceBytes - 1) / kBulkMaxPieceBytes),
-        piece_bytes_(((row_bytes + pieces_ - 1) / pieces_ + 15) / 16 * 16),
+        pieces_(bulk_pieces(row_bytes)),
+        piece_bytes_(bulk_piece_bytes(row_bytes)),
         num_items_(num_rows * pieces_) {
     if (lane_id() == 0) {
       for (int s = 0; s < kBulkStages; ++s) mbarrier_init(&bars_[s], 1);

@@ -447,11 +447,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
                "x_scales and num_scales disagree");
   const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
   if (args.bulk_rows) {
-    // NOTE: the split into pieces must leave the last piece non-empty (rows up to about 200 KB).
-    const int pieces = (args.row_bytes + kBulkMaxPieceBytes - 1) / kBulkMaxPieceBytes;
-    const int piece_bytes = ((args.row_bytes + pieces - 1) / pieces + 15) / 16 * 16;
-    EP_CHECK_ARG((pieces - 1) * piece_bytes < args.row_bytes,
-                 "rows of " << args.row_bytes << " bytes are too long for the bulk-copy dispatch");
+    EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
     static const bool attribute_set = [] {
       CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       bulk_rows_shared_bytes(kWarpsPerChannel)));
