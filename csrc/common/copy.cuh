@@ -35,18 +35,18 @@ __device__ __forceinline__ float load_f32(const float* ptr) {
 
 // One warp copies `num_units` 16-byte units from `src` to every non-null dst[d] (local memory or a
 // peer's mapping): each unit is loaded once and stored to every destination.
-template <Load kLoad, int kUnroll = kCopyUnroll, typename Ptr, int kDsts>
+template <Load kLoad, typename Ptr, int kDsts>
 __device__ __forceinline__ void warp_copy_units_to_all(Ptr const (&dst)[kDsts], const int4* src, int64_t num_units) {
   const int lane = lane_id();
-  for (int64_t base = 0; base < num_units; base += 32 * kUnroll) {
-    int4 values[kUnroll];
+  for (int64_t base = 0; base < num_units; base += 32 * kCopyUnroll) {
+    int4 values[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
       if (i < num_units) values[u] = load_unit<kLoad>(src + i);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
       if (i >= num_units) continue;
 #pragma unroll

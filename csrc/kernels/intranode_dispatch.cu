@@ -448,6 +448,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
   if (args.bulk_rows) {
     EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
+    // NOTE: once per process, which drives one GPU (one rank per process).
     static const bool attribute_set = [] {
       CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       bulk_rows_shared_bytes(kWarpsPerChannel)));
