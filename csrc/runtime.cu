@@ -110,6 +110,11 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(own, "%d", &direct_own_blocks_) == 1 && direct_own_blocks_ >= 0,
                  "EP_PLUGIN_DIRECT_OWN_BLOCKS must be an integer >= 0, got " << own);
   }
+  if (const char* warps = std::getenv("EP_PLUGIN_DIRECT_WARPS")) {
+    EP_CHECK_ARG(std::sscanf(warps, "%d", &direct_warps_) == 1 && direct_warps_ >= 0 &&
+                     direct_warps_ <= intranode::kWarpsPerChannel,
+                 "EP_PLUGIN_DIRECT_WARPS must be in [0, " << intranode::kWarpsPerChannel << "], got " << warps);
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -225,6 +230,7 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   // Rows past the bulk split's reach (about 200 KB) go through registers.
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_own_blocks = direct_own_blocks_;
+  args.direct_warps = direct_warps_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {

@@ -108,9 +108,19 @@ class OutputRegion:
 
     def empty(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
         """An uninitialised tensor in the region, or None when the region has no room for it."""
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        found = self.empty_group([(tuple(shape), dtype)])
+        return None if found is None else found[0]
+
+    def empty_group(self, specs: List[Tuple[Tuple[int, ...], torch.dtype]]) -> Optional[List[torch.Tensor]]:
+        """Uninitialised tensors of the given (shape, dtype) in one block of the region (one allocation;
+        the block returns when the last of them is freed), or None when the region has no room."""
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+        starts, nbytes = [], 0
+        for size in sizes:
+            starts.append(nbytes)
+            nbytes += (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
         stream = torch.cuda.current_stream(self.device)
         with self._lock:
             found = self._ranges.allocate(nbytes)
@@ -121,7 +131,8 @@ class OutputRegion:
             if stream_id != stream.cuda_stream:
                 stream.wait_event(event)
         raw = torch.as_tensor(_RegionBlock(self, offset, nbytes, stream), device=self.device)
-        return raw.view(dtype).view(shape)
+        return [raw[start:start + size].view(dtype).view(shape)
+                for (shape, dtype), start, size in zip(specs, starts, sizes)]
 
     def _release(self, offset: int, nbytes: int, stream: torch.cuda.Stream) -> None:
         event = torch.cuda.Event()

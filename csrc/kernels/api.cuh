@@ -75,6 +75,7 @@ struct DispatchArgs {
                                     // a build without sm_90 code copies through registers)
   int direct_own_blocks;            // direct dispatch: blocks that write only this rank's own rows, the
                                     // others only rows for peers (0: every block writes both)
+  int direct_warps;                 // direct dispatch: sender warps per block (0: kWarpsPerChannel)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

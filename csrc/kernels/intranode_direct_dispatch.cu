@@ -92,11 +92,14 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
   const BlockRole role(a);
+  // NOTE: fewer warps in flight can move the bytes faster (too many outstanding writes crowd the link).
+  const int num_warps = a.direct_warps > 0 && a.direct_warps < kWarpsPerChannel ? a.direct_warps : kWarpsPerChannel;
+  if (warp >= num_warps) return;
   // Lane r writes rank r's rows; each warp takes a contiguous run of tokens.
   const bool lane_writes = lane < R && (lane == a.rank ? role.writes_own : role.writes_peers);
   int token_begin, token_end;
-  channel_token_range(a.num_tokens, role.group_blocks * kWarpsPerChannel, role.group_block * kWarpsPerChannel + warp,
-                      token_begin, token_end);
+  channel_token_range(a.num_tokens, role.group_blocks * num_warps, role.group_block * num_warps + warp, token_begin,
+                      token_end);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin, 1, token_end);
 
   // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.

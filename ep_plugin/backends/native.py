@@ -432,22 +432,28 @@ class NativeBackend(Backend):
         return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
 
     def _recv_outputs(self, direct: bool, specs) -> List[Optional[torch.Tensor]]:
-        """The dispatch's outputs for `specs` ((shape, dtype) or None each): in the output region when
-        `direct`, else ordinary tensors."""
+        """The dispatch's outputs for `specs` ((shape, dtype) or None each; the rows and their scales
+        first, then the metadata): in the output region when `direct` (two blocks: the rows go back
+        with recv_x, the metadata with the handle), else ordinary tensors."""
         if not direct:
             return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs]
-        outputs = []
-        for spec in specs:
-            tensor = None if spec is None else self._outputs.empty(spec[0], spec[1])
-            if spec is not None and tensor is None:
-                # NOTE: the peers take the direct path too and will wait for this rank (until timeout_s).
-                nbytes = torch.Size(spec[0]).numel() * spec[1].itemsize
-                raise RuntimeError(
-                    f"ep_plugin rank {self.info.rank}: the dispatch's output region has no room for {nbytes} bytes "
-                    f"({self._outputs.describe()}); outputs of earlier dispatches still alive hold the rest. "
-                    "Free them, or raise buffer.dispatch_output_bytes")
-            outputs.append(tensor)
+        outputs: List[Optional[torch.Tensor]] = []
+        for group in (specs[:2], specs[2:]):
+            present = [spec for spec in group if spec is not None]
+            tensors = iter(self._region_group(present) if present else [])
+            outputs.extend(None if spec is None else next(tensors) for spec in group)
         return outputs
+
+    def _region_group(self, specs) -> List[torch.Tensor]:
+        tensors = self._outputs.empty_group(specs)
+        if tensors is None:
+            # NOTE: the peers take the direct path too and will wait for this rank (until timeout_s).
+            nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
+            raise RuntimeError(
+                f"ep_plugin rank {self.info.rank}: the dispatch's output region has no room for {nbytes} bytes "
+                f"({self._outputs.describe()}); outputs of earlier dispatches still alive hold the rest. "
+                "Free them, or raise buffer.dispatch_output_bytes")
+        return tensors
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
