@@ -115,6 +115,10 @@ void IntranodeRuntime::read_tuning_overrides() {
                      direct_warps_ <= intranode::kWarpsPerChannel,
                  "EP_PLUGIN_DIRECT_WARPS must be in [0, " << intranode::kWarpsPerChannel << "], got " << warps);
   }
+  if (const char* blocks = std::getenv("EP_PLUGIN_DIRECT_MAX_BLOCKS")) {
+    EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
+                 "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -231,6 +235,7 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_own_blocks = direct_own_blocks_;
   args.direct_warps = direct_warps_;
+  args.direct_max_blocks = direct_max_blocks_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {

@@ -94,7 +94,7 @@ class IntranodeRuntime {
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
-  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_OWN_BLOCKS, EP_PLUGIN_DIRECT_WARPS,
+  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_OWN_BLOCKS, EP_PLUGIN_DIRECT_WARPS, EP_PLUGIN_DIRECT_MAX_BLOCKS,
   // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
@@ -111,6 +111,7 @@ class IntranodeRuntime {
   int64_t output_offset_ = 0, output_bytes_ = 0;
   int direct_own_blocks_ = 0;  // EP_PLUGIN_DIRECT_OWN_BLOCKS
   int direct_warps_ = 0;       // EP_PLUGIN_DIRECT_WARPS
+  int direct_max_blocks_ = 0;  // EP_PLUGIN_DIRECT_MAX_BLOCKS
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

@@ -76,6 +76,7 @@ struct DispatchArgs {
   int direct_own_blocks;            // direct dispatch: blocks that write only this rank's own rows, the
                                     // others only rows for peers (0: every block writes both)
   int direct_warps;                 // direct dispatch: sender warps per block (0: kWarpsPerChannel)
+  int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

@@ -206,7 +206,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
 
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_dispatch_args(args);
-  const int num_blocks = args.num_channels * 2;
+  const int num_blocks = args.direct_max_blocks > 0 && args.direct_max_blocks < args.num_channels * 2
+                             ? args.direct_max_blocks
+                             : args.num_channels * 2;
   EP_CHECK_ARG(args.direct_own_blocks >= 0 && (args.num_ranks == 1 || args.direct_own_blocks < num_blocks),
                "direct dispatch: own-row blocks must be in [0, " << num_blocks << "), got " << args.direct_own_blocks);
   const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
