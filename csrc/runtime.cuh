@@ -111,7 +111,9 @@ class IntranodeRuntime {
   int64_t output_offset_ = 0, output_bytes_ = 0;
   int direct_own_blocks_ = 0;  // EP_PLUGIN_DIRECT_OWN_BLOCKS
   int direct_warps_ = 0;       // EP_PLUGIN_DIRECT_WARPS
-  int direct_max_blocks_ = 0;  // EP_PLUGIN_DIRECT_MAX_BLOCKS
+  // The direct dispatch on at most this many blocks (EP_PLUGIN_DIRECT_MAX_BLOCKS; 0: num_sms): on 2x H200,
+  // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
+  int direct_max_blocks_ = 16;
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

@@ -274,12 +274,13 @@ def device_error_message(native, error: Exception) -> str:
 
 
 def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, absent_s: float) -> str:
-    """Rank 1 never joins `op` ("dispatch", or "combine" after a dispatch every rank finished).
+    """Rank 1 never joins `op` ("dispatch", or "combine" or "cached_dispatch" after a dispatch every
+    rank finished).
 
     Returns "absent" on rank 1. Rank 0 must time out: it ends its process with the error text
     (finish_rank: its CUDA context is stopped, so no tensor may be freed), else returns "no error".
     """
-    if op == "combine":
+    if op in ("combine", "cached_dispatch"):
         out = native.dispatch(x, **dispatch_kwargs)
         torch.cuda.synchronize()
     if rank == 1:
@@ -288,6 +289,8 @@ def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, 
     try:
         if op == "dispatch":
             native.dispatch(x, **dispatch_kwargs)
+        elif op == "cached_dispatch":
+            native.dispatch(x, handle=out[4])
         else:
             native.combine(out[0], out[4])
         torch.cuda.synchronize()

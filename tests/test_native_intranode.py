@@ -143,6 +143,12 @@ def test_cases_multi_rank_direct_outputs(own_blocks):
 
 
 @needs_ranks(1)
+def test_cases_one_rank_direct_outputs():
+    names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "num_worst", "sms2")]
+    assert parallel_launch(1, direct_cases_rank, names, 0)[0] == names
+
+
+@needs_ranks(1)
 def test_cases_one_rank():
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
                                                       "num_worst", "bias2", "small_ring")]
@@ -253,23 +259,25 @@ def test_1000_back_to_back_iterations():
 
 # ---- failures: a missing peer, bad input ------------------------------------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
-    native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096)
+    native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096,
+                             dispatch_output_bytes=DIRECT_OUTPUT_BYTES if op == "cached_dispatch_direct" else 0)
     case = dict(T=64, H=2048, K=4, E=16)
     x, topk_idx, weights = make_inputs(rank, R, case, seed=1)
     layout = native.get_dispatch_layout(topk_idx, 16)
     kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                   topk_idx=topk_idx, topk_weights=weights)
-    return missing_peer_scenario(native, rank, op.removesuffix("_sm"), x, kwargs, absent_s=8)
+    return missing_peer_scenario(native, rank, op.removesuffix("_sm").removesuffix("_direct"), x, kwargs, absent_s=8)
 
 
 @needs_ranks(RANKS, own_gpus=True)
-@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_sm"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_sm", "cached_dispatch_direct"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
     results = parallel_launch(RANKS, missing_peer_rank, op)
     assert results[1] == "absent"
     assert "rank 0" in results[0] and "peer 1" in results[0] and "timeout" in results[0], results[0]
-    # The copy-engine combine says what rank 0 waited for: the peer's rows.
+    # The copy-engine combine and the direct dispatch say what rank 0 waited for.
     assert ("copy-engine path" in results[0]) == (op == "combine"), results[0]
+    assert ("direct dispatch" in results[0]) == (op == "cached_dispatch_direct"), results[0]
 
 
 def bad_id_rank(rank: int, R: int, group) -> str:
