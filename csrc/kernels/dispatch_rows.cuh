@@ -24,6 +24,22 @@ inline void check_dispatch_args(const DispatchArgs& args) {
                "x_scales and num_scales disagree");
 }
 
+// Dynamic shared memory of a dispatch kernel's launch: the bulk copies' stages, with the kernel's limit
+// raised on the first bulk launch; 0 on the register path.
+template <auto kKernel>
+int bulk_rows_shared_bytes_for(const DispatchArgs& args) {
+  if (!args.bulk_rows) return 0;
+  EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
+  // NOTE: once per process, which drives one GPU (one rank per process).
+  static const bool attribute_set = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    bulk_rows_shared_bytes(kWarpsPerChannel)));
+    return true;
+  }();
+  (void)attribute_set;
+  return bulk_rows_shared_bytes(kWarpsPerChannel);
+}
+
 // Expert `expert` as rank r's local id, or -1 when rank r does not hold it.
 __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int num_local_experts) {
   const int64_t local = expert - static_cast<int64_t>(r) * num_local_experts;

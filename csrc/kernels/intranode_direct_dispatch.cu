@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   __shared__ PeerOutputs outputs[kMaxNvlPeers];
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
+  // NOTE: a timeout report's "channel" is the block here.
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
   if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site);
@@ -211,17 +212,7 @@ void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
                              : args.num_channels * 2;
   EP_CHECK_ARG(args.direct_own_blocks >= 0 && (args.num_ranks == 1 || args.direct_own_blocks < num_blocks),
                "direct dispatch: own-row blocks must be in [0, " << num_blocks << "), got " << args.direct_own_blocks);
-  const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
-  if (args.bulk_rows) {
-    EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
-    // NOTE: once per process, which drives one GPU (one rank per process).
-    static const bool attribute_set = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(direct_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      bulk_rows_shared_bytes(kWarpsPerChannel)));
-      return true;
-    }();
-    (void)attribute_set;
-  }
+  const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel>(args);
   direct_dispatch_kernel<<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -338,17 +338,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_dispatch_args(args);
-  const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
-  if (args.bulk_rows) {
-    EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
-    // NOTE: once per process, which drives one GPU (one rank per process).
-    static const bool attribute_set = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      bulk_rows_shared_bytes(kWarpsPerChannel)));
-      return true;
-    }();
-    (void)attribute_set;
-  }
+  const int shared_bytes = bulk_rows_shared_bytes_for<dispatch_kernel>(args);
   dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
