@@ -76,7 +76,8 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
                       int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
                       uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                      uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream) {
+                      uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream,
+                      bool direct, int64_t num_recv_rows) {
   intranode::DispatchArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
@@ -98,7 +99,8 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
   args.num_worst_tokens = num_worst_tokens;
   args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  runtime.dispatch(args, as_stream(stream));
+  if (direct) runtime.direct_dispatch(args, num_recv_rows, as_stream(stream));
+  else runtime.dispatch(args, as_stream(stream));
 }
 
 void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
@@ -204,11 +206,14 @@ PYBIND11_MODULE(_C, m) {
         "out[n] = sum of rows[index[n, s]] over s with index >= 0 (bf16 rows, fp32 sums).");
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
-      .def(py::init<int, int, int64_t, double, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
-           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0)
+      .def(py::init<int, int, int64_t, double, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0)
       .def_property_readonly("device", &IntranodeRuntime::device)
       .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
       .def_property_readonly("staging_bytes", &IntranodeRuntime::staging_bytes)
+      .def_property_readonly("output_region_address", &IntranodeRuntime::output_region_address,
+                             "Device address of the output region (dispatch outputs that peers write directly).")
+      .def_property_readonly("output_region_bytes", &IntranodeRuntime::output_region_bytes)
       .def_property_readonly("dispatch_bulk_rows", &IntranodeRuntime::dispatch_bulk_rows,
                              "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
@@ -231,7 +236,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("num_local_experts"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
-           py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"))
+           py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"), py::arg("direct") = false,
+           py::arg("num_recv_rows") = 0,
+           "direct: every rank's outputs (num_recv_rows rows) are in its output region and senders write them "
+           "directly; every rank of the call must pass the same.")
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
            py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
            py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),

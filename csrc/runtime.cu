@@ -35,6 +35,8 @@ const char* wait_name(int kind) {
     case kWaitDrain: return "the last tokens to be consumed";
     case kWaitStagedRows: return "its rows of this combine (copy-engine path: the peer has not copied them)";
     case kWaitStagingFree: return "its staging area (copy-engine path: the peer is still summing an earlier piece)";
+    case kWaitPeerOutputs: return "where its outputs are (direct dispatch: the peer has not reached the same call)";
+    case kWaitPeerRows: return "the last of its rows (direct dispatch: the peer has not finished writing them)";
     default: return "a signal";
   }
 }
@@ -44,7 +46,7 @@ const char* wait_name(int kind) {
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s,
-                                   int64_t staging_bytes)
+                                   int64_t staging_bytes, int64_t output_bytes)
     : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s) {
   EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxNvlPeers,
                "the intranode runtime supports 1 to " << kMaxNvlPeers << " ranks, got " << num_ranks);
@@ -54,11 +56,16 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
                                                  << "); see Config.get_nvl_buffer_size_hint");
   EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
   EP_CHECK_ARG(staging_bytes >= 0, "staging_bytes must be >= 0, got " << staging_bytes);
+  EP_CHECK_ARG(output_bytes >= 0, "output_bytes must be >= 0, got " << output_bytes);
   timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
   staging_offset_ = (num_nvl_bytes + 255) / 256 * 256;
   staging_bytes_ = staging_bytes;
   CUDA_CHECK(cudaGetDevice(&device_));
-  CUDA_CHECK(cudaMalloc(&buffer_, staging_bytes > 0 ? staging_offset_ + staging_bytes : num_nvl_bytes));
+  output_offset_ = (staging_offset_ + staging_bytes + 255) / 256 * 256;
+  output_bytes_ = output_bytes;
+  CUDA_CHECK(cudaMalloc(&buffer_, output_bytes > 0    ? output_offset_ + output_bytes
+                                  : staging_bytes > 0 ? staging_offset_ + staging_bytes
+                                                      : num_nvl_bytes));
   // NOTE: counters are epoch-tagged and never reset later; they must start at zero on every rank
   // before any peer can write them (the caller barriers after this constructor).
   CUDA_CHECK(cudaMemset(buffer_, 0, intranode::kHeaderBytes));
@@ -99,6 +106,19 @@ void IntranodeRuntime::read_tuning_overrides() {
   }
   if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
   if (const char* bulk = std::getenv("EP_PLUGIN_DISPATCH_BULK")) dispatch_bulk_rows_ = std::atoi(bulk) != 0;
+  if (const char* own = std::getenv("EP_PLUGIN_DIRECT_OWN_BLOCKS")) {
+    EP_CHECK_ARG(std::sscanf(own, "%d", &direct_own_blocks_) == 1 && direct_own_blocks_ >= 0,
+                 "EP_PLUGIN_DIRECT_OWN_BLOCKS must be an integer >= 0, got " << own);
+  }
+  if (const char* warps = std::getenv("EP_PLUGIN_DIRECT_WARPS")) {
+    EP_CHECK_ARG(std::sscanf(warps, "%d", &direct_warps_) == 1 && direct_warps_ >= 0 &&
+                     direct_warps_ <= intranode::kWarpsPerChannel,
+                 "EP_PLUGIN_DIRECT_WARPS must be in [0, " << intranode::kWarpsPerChannel << "], got " << warps);
+  }
+  if (const char* blocks = std::getenv("EP_PLUGIN_DIRECT_MAX_BLOCKS")) {
+    EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
+                 "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -202,23 +222,57 @@ void IntranodeRuntime::notify(intranode::NotifyArgs args, cudaStream_t stream) {
   intranode::launch_notify(args, stream);
 }
 
-void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
-  require_connected();
+void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.peer_buffers = peer_buffers_device_;
   args.rank = rank_;
   args.num_ranks = num_ranks_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
-  const intranode::RingLayout layout{num_ranks_, args.num_channels,
-                                     intranode::slots_per_sub_ring(args.recv_tokens_per_channel),
-                                     intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
-  require_buffer_fits(layout.total_bytes(), "dispatch");
   args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
   args.self_copy_period = self_copy_period_;
   args.late_scales = late_scales_;
   // Rows past the bulk split's reach (about 200 KB) go through registers.
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
+  args.direct_own_blocks = direct_own_blocks_;
+  args.direct_warps = direct_warps_;
+  args.direct_max_blocks = direct_max_blocks_;
+}
+
+void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
+  require_connected();
+  fill_dispatch_args(args);
+  const intranode::RingLayout layout{num_ranks_, args.num_channels,
+                                     intranode::slots_per_sub_ring(args.recv_tokens_per_channel),
+                                     intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
+  require_buffer_fits(layout.total_bytes(), "dispatch");
   intranode::launch_dispatch(args, stream);
+}
+
+uintptr_t IntranodeRuntime::output_region_address() const {
+  EP_HOST_ASSERT(buffer_ != nullptr, "the runtime has been destroyed");
+  return reinterpret_cast<uintptr_t>(buffer_) + output_offset_;
+}
+
+void IntranodeRuntime::require_in_output_region(const void* output, int64_t bytes, const char* name) const {
+  if (output == nullptr) return;
+  const int64_t offset = static_cast<const uint8_t*>(output) - static_cast<const uint8_t*>(buffer_);
+  EP_CHECK_ARG(offset >= output_offset_ && offset + bytes <= output_offset_ + output_bytes_,
+               "direct dispatch: " << name << " (" << bytes << " bytes) is not in this rank's output region of "
+                                   << output_bytes_ << " bytes (buffer.dispatch_output_bytes)");
+}
+
+void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, cudaStream_t stream) {
+  require_connected();
+  EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
+  EP_CHECK_ARG(num_recv_rows >= 0, "num_recv_rows must be >= 0, got " << num_recv_rows);
+  fill_dispatch_args(args);
+  const int64_t rows = num_recv_rows;
+  require_in_output_region(args.recv_x, rows * args.row_bytes, "recv_x");
+  require_in_output_region(args.recv_x_scales, rows * args.num_scales * 4, "recv_x_scales");
+  require_in_output_region(args.recv_topk_idx, rows * args.num_topk * 8, "recv_topk_idx");
+  require_in_output_region(args.recv_topk_weights, rows * args.num_topk * 4, "recv_topk_weights");
+  require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
+  intranode::launch_direct_dispatch(args, stream);
 }
 
 void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream) {

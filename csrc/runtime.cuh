@@ -31,8 +31,10 @@ struct StagedCombineRequest {
 
 class IntranodeRuntime {
  public:
-  // `staging_bytes` past the ring buffer hold the copy-engine combine's incoming rows (0: none).
-  IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, int64_t staging_bytes = 0);
+  // `staging_bytes` past the ring buffer hold the copy-engine combine's incoming rows (0: none);
+  // `output_bytes` past those hold dispatch outputs that peers write directly (0: none).
+  IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, int64_t staging_bytes = 0,
+                   int64_t output_bytes = 0);
   ~IntranodeRuntime();
   IntranodeRuntime(const IntranodeRuntime&) = delete;
   IntranodeRuntime& operator=(const IntranodeRuntime&) = delete;
@@ -43,6 +45,9 @@ class IntranodeRuntime {
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
   int64_t staging_bytes() const { return staging_bytes_; }
   bool dispatch_bulk_rows() const { return dispatch_bulk_rows_; }
+  // The output region: its first byte's device address here, and its size.
+  uintptr_t output_region_address() const;
+  int64_t output_region_bytes() const { return output_bytes_; }
   // Rows per peer the staging area holds at `hidden` with `staging_bytes` (0: too small to use).
   int64_t staging_rows(int64_t staging_bytes, int hidden) const;
 
@@ -56,6 +61,9 @@ class IntranodeRuntime {
   // Fills the runtime-owned fields (buffers, rank, status, timeout) and launches.
   void notify(intranode::NotifyArgs args, cudaStream_t stream);
   void dispatch(intranode::DispatchArgs args, cudaStream_t stream);
+  // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
+  // the senders themselves. Every rank of the call must take this path.
+  void direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, cudaStream_t stream);
   void combine(intranode::CombineArgs args, cudaStream_t stream);
   // Combine through the copy engines: each rank copies its rows for every owner into the owner's
   // staging area on `stream` while the owner's SMs sum them on `side`; `stream` then waits for `side`.
@@ -70,6 +78,10 @@ class IntranodeRuntime {
  private:
   void require_connected() const;
   void require_buffer_fits(int64_t needed, const char* op) const;
+  // Throws unless `bytes` at `output` lie in the output region (or output is null).
+  void require_in_output_region(const void* output, int64_t bytes, const char* name) const;
+  // The dispatch's runtime-owned fields (buffers, rank, status, timeout, tuning).
+  void fill_dispatch_args(intranode::DispatchArgs& args) const;
   std::string describe_device_error() const;
   // Loads and runs once the copy-engine combine's kernels, before any reduction can spin for them.
   void preload_staged_combine();
@@ -82,7 +94,8 @@ class IntranodeRuntime {
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
-  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
+  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_OWN_BLOCKS, EP_PLUGIN_DIRECT_WARPS, EP_PLUGIN_DIRECT_MAX_BLOCKS,
+  // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -95,6 +108,12 @@ class IntranodeRuntime {
   int rank_, num_ranks_, device_;
   int64_t num_nvl_bytes_;
   int64_t staging_offset_ = 0, staging_bytes_ = 0;
+  int64_t output_offset_ = 0, output_bytes_ = 0;
+  int direct_own_blocks_ = 0;  // EP_PLUGIN_DIRECT_OWN_BLOCKS
+  int direct_warps_ = 0;       // EP_PLUGIN_DIRECT_WARPS
+  // The direct dispatch on at most this many blocks (EP_PLUGIN_DIRECT_MAX_BLOCKS; 0: num_sms): on 2x H200,
+  // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
+  int direct_max_blocks_ = 16;
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

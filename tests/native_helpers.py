@@ -62,6 +62,22 @@ def poison_allocator(megabytes: int = 512) -> None:
     del block
 
 
+def poison_output_region(buffer) -> None:
+    """The same for the free part of a native buffer's output region (direct dispatch), if it has one:
+    its next outputs come from there, not from the caching allocator."""
+    region = getattr(getattr(buffer, "_backend", None), "_outputs", None)
+    if region is None:
+        return
+    block = region.empty((region.largest_free_bytes(),), torch.uint8)
+    block.fill_(0x7F)
+    del block
+
+
+def poison(native) -> None:
+    poison_allocator()
+    poison_output_region(native)
+
+
 def make_routing(kind: str, T: int, E: int, K: int, R: int, gen: torch.Generator) -> torch.Tensor:
     E_local = E // R
     if kind == "random":
@@ -153,7 +169,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     E = case["E"]
     alignment = case.get("alignment", 1)
     config = case.get("config")
-    poison_allocator()
+    poison(native)
     got_layout = native.get_dispatch_layout(topk_idx, E)
     want_layout = reference.get_dispatch_layout(topk_idx, E)
     for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
@@ -167,7 +183,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
                             config=config)
 
     num_worst = case["T"] * R + case["num_worst_slack"] if "num_worst_slack" in case else 0
-    poison_allocator()
+    poison(native)
     got = dispatch(native, got_layout, num_worst)
     want = dispatch(reference, want_layout, 0)
     want_x = want[0]
@@ -200,7 +216,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
                      for _ in range(case["bias"]))
         bias = bias[0] if len(bias) == 1 else bias
     combine_config = case.get("combine_config")
-    poison_allocator()
+    poison(native)
     got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
     want_c = reference.combine(expert_out[:n], want[4], topk_weights=want[2], bias=bias)
     # Across nodes with several ranks per node, each node's partial sum is rounded to bf16 before the
@@ -228,7 +244,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
 
     # Cached dispatch of new data with the same layout (and the same or another ring size).
     x2, _, _ = make_inputs(rank, R, case, seed + 99991)
-    poison_allocator()
+    poison(native)
     got2 = native.dispatch(x2, handle=got[4], config=case.get("cached_config", config))
     want2 = reference.dispatch(x2, handle=want[4])
 
@@ -258,12 +274,13 @@ def device_error_message(native, error: Exception) -> str:
 
 
 def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, absent_s: float) -> str:
-    """Rank 1 never joins `op` ("dispatch", or "combine" after a dispatch every rank finished).
+    """Rank 1 never joins `op` ("dispatch", or "combine" or "cached_dispatch" after a dispatch every
+    rank finished).
 
     Returns "absent" on rank 1. Rank 0 must time out: it ends its process with the error text
     (finish_rank: its CUDA context is stopped, so no tensor may be freed), else returns "no error".
     """
-    if op == "combine":
+    if op in ("combine", "cached_dispatch"):
         out = native.dispatch(x, **dispatch_kwargs)
         torch.cuda.synchronize()
     if rank == 1:
@@ -272,6 +289,8 @@ def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, 
     try:
         if op == "dispatch":
             native.dispatch(x, **dispatch_kwargs)
+        elif op == "cached_dispatch":
+            native.dispatch(x, handle=out[4])
         else:
             native.combine(out[0], out[4])
         torch.cuda.synchronize()

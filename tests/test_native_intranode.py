@@ -21,13 +21,14 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
-                 check_inputs: bool = True, combine_staging_tokens=4096):
+                 check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes: int = 0):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
                     config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
                             "check_inputs": check_inputs,
-                            "buffer": {"max_hidden": max_hidden, "combine_staging_tokens": combine_staging_tokens}})
+                            "buffer": {"max_hidden": max_hidden, "combine_staging_tokens": combine_staging_tokens,
+                                       "dispatch_output_bytes": dispatch_output_bytes}})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference"})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
@@ -54,9 +55,12 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     return "copy_engine" if staged else "sm"
 
 
-def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None) -> list:
+def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
+               dispatch_output_bytes: int = 0) -> list:
     torch.manual_seed(rank)
-    native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens)
+    native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
+                                     dispatch_output_bytes=dispatch_output_bytes)
+    expect_dispatch_path = "direct" if dispatch_output_bytes else "rings"
     if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
         expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
     assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
@@ -66,6 +70,8 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             run_case(native, reference, rank, R, case, seed=1000 + i)
             path = native._backend.last_combine_path
             assert path == expected_combine_path(case, R, combine_staging_tokens), f"combine ran on the {path} path"
+            path = native._backend.last_dispatch_path
+            assert path == expect_dispatch_path, f"dispatch ran on the {path} path"
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -116,6 +122,30 @@ def test_cases_multi_rank_register_copies():
     in_order = [c["name"] for c in CASES if c["name"] in REGISTER_COPY_CASES]
     assert sorted(in_order) == sorted(REGISTER_COPY_CASES)
     assert parallel_launch(RANKS, register_copy_cases_rank, in_order) == [in_order] * RANKS
+
+
+# The direct dispatch: every rank's outputs in its output region, written by the senders themselves.
+# The region holds the outputs a case keeps alive at once (a dispatch, its handle and a cached
+# dispatch: at most 2 x 8192 rows of 14336 bytes at 2 ranks, and their metadata).
+DIRECT_OUTPUT_BYTES = 512 << 20
+
+
+def direct_cases_rank(rank: int, R: int, group, names, own_blocks: int) -> list:
+    os.environ["EP_PLUGIN_DIRECT_OWN_BLOCKS"] = str(own_blocks)  # read when the native Buffer is created
+    return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES)
+
+
+@needs_ranks(RANKS)
+@pytest.mark.parametrize("own_blocks", [0, 8], ids=["mixed_blocks", "own_row_blocks"])
+def test_cases_multi_rank_direct_outputs(own_blocks):
+    names = [c["name"] for c in CASES if c["name"] != "sms2" or own_blocks == 0]  # 2 SMs: no block to spare
+    assert parallel_launch(RANKS, direct_cases_rank, names, own_blocks) == [names] * RANKS
+
+
+@needs_ranks(1)
+def test_cases_one_rank_direct_outputs():
+    names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "num_worst", "sms2")]
+    assert parallel_launch(1, direct_cases_rank, names, 0)[0] == names
 
 
 @needs_ranks(1)
@@ -229,23 +259,25 @@ def test_1000_back_to_back_iterations():
 
 # ---- failures: a missing peer, bad input ------------------------------------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
-    native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096)
+    native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096,
+                             dispatch_output_bytes=DIRECT_OUTPUT_BYTES if op == "cached_dispatch_direct" else 0)
     case = dict(T=64, H=2048, K=4, E=16)
     x, topk_idx, weights = make_inputs(rank, R, case, seed=1)
     layout = native.get_dispatch_layout(topk_idx, 16)
     kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                   topk_idx=topk_idx, topk_weights=weights)
-    return missing_peer_scenario(native, rank, op.removesuffix("_sm"), x, kwargs, absent_s=8)
+    return missing_peer_scenario(native, rank, op.removesuffix("_sm").removesuffix("_direct"), x, kwargs, absent_s=8)
 
 
 @needs_ranks(RANKS, own_gpus=True)
-@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_sm"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "combine_sm", "cached_dispatch_direct"])
 def test_missing_peer_times_out_with_rank_and_peer(op):
     results = parallel_launch(RANKS, missing_peer_rank, op)
     assert results[1] == "absent"
     assert "rank 0" in results[0] and "peer 1" in results[0] and "timeout" in results[0], results[0]
-    # The copy-engine combine says what rank 0 waited for: the peer's rows.
+    # The copy-engine combine and the direct dispatch say what rank 0 waited for.
     assert ("copy-engine path" in results[0]) == (op == "combine"), results[0]
+    assert ("direct dispatch" in results[0]) == (op == "cached_dispatch_direct"), results[0]
 
 
 def bad_id_rank(rank: int, R: int, group) -> str:

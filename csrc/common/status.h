@@ -38,6 +38,8 @@ enum WaitKind : int32_t {
   kWaitStagedRows = 6,      // copy-engine combine, owner: a piece of the peer's rows has not landed
   kWaitStagingFree = 7,     // copy-engine combine, sender: the peer still reads its staging area
   kWaitTokenPartials = 8,   // low-latency combine with expert-side sums: a peer's partial for a token
+  kWaitPeerOutputs = 9,     // direct dispatch: the peer has not said where its outputs are (not in the call)
+  kWaitPeerRows = 10,       // direct dispatch: the peer has not finished writing its rows here
 };
 
 struct DeviceStatus {

@@ -47,6 +47,12 @@ struct NotifyBlock {
   int32_t expert_counts[kMaxLocalExperts];    // writer's (token, expert) entries for the reader's experts
 };
 
+// Where a rank's direct-dispatch outputs are: byte offsets into its buffer, -1 for an output the call
+// does not have (intranode_direct_dispatch.cu).
+struct DirectOutputs {
+  int64_t recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx;
+};
+
 // Counters are epoch-tagged so that no kernel ever has to reset them:
 // bits 63..32 = operation epoch, bit 31 = done (sender finished), bits 30..0 = count.
 struct Header {
@@ -62,6 +68,11 @@ struct Header {
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
   uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
+  // Direct dispatch; words are pack_counter(epoch, 0, ...). Written by rank dst, into this (a sender's) header:
+  DirectOutputs direct_outputs[kMaxNvlPeers];  // [dst]: where dst's outputs of the call are
+  uint64_t direct_ready[kMaxNvlPeers];         // [dst]: epoch of the call whose outputs those are
+  // Written by rank src, into this (a destination's) header:
+  uint64_t direct_done[kMaxNvlPeers];          // [src]: epoch whose rows src has all written here
   // Local state, touched only by this rank's kernels.
   uint32_t notify_epoch;
   uint32_t op_epoch;

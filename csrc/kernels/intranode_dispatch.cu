@@ -15,6 +15,7 @@
 #include "buffer_layout.cuh"
 #include "intranode_common.cuh"
 #include "intranode_profile.cuh"
+#include "dispatch_rows.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -25,89 +26,6 @@ __device__ __forceinline__ bool own_row_by_receiver(const DispatchArgs& a, int r
   return round % a.self_copy_period < a.self_copy_receiver_rounds;
 }
 
-// Expert `expert` as rank r's local id, or -1 when rank r does not hold it.
-__device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int num_local_experts) {
-  const int64_t local = expert - static_cast<int64_t>(r) * num_local_experts;
-  return expert >= 0 && local >= 0 && local < num_local_experts ? static_cast<int32_t>(local) : -1;
-}
-
-// A token's FP8 scales: the first kEarlyScalesPerLane per lane are loaded before its row is copied, so
-// that their latency hides under the copy. Loaded after it, each 32 of them cost a memory round trip
-// of their own; an FP8 row (7 KB) is only two.
-constexpr int kEarlyScalesPerLane = 4;
-
-// Scales [0, num_early) are loaded early: min(num_scales, 32 * kEarlyScalesPerLane), or 0 (diagnostic).
-__device__ __forceinline__ int early_scale_count(const DispatchArgs& a) {
-  return a.late_scales ? 0 : min(a.num_scales, 32 * kEarlyScalesPerLane);
-}
-
-template <Load kLoad>
-__device__ __forceinline__ void load_early_scales(const float* scales, int num_early,
-                                                  float (&early)[kEarlyScalesPerLane]) {
-  const int lane = lane_id();
-#pragma unroll
-  for (int k = 0; k < kEarlyScalesPerLane; ++k) {
-    const int i = lane + 32 * k;
-    early[k] = i < num_early ? load_f32<kLoad>(scales + i) : 0.f;
-  }
-}
-
-// Calls store(i, scale) for every scale i of the token this lane owns: the early ones from registers,
-// the others loaded now.
-template <Load kLoad, typename Store>
-__device__ __forceinline__ void for_each_scale(const float* scales, int num_scales, int num_early,
-                                               const float (&early)[kEarlyScalesPerLane], Store store) {
-  const int lane = lane_id();
-#pragma unroll
-  for (int k = 0; k < kEarlyScalesPerLane; ++k)
-    if (lane + 32 * k < num_early) store(lane + 32 * k, early[k]);
-  for (int i = lane + (num_early / 32) * 32; i < num_scales; i += 32)
-    if (i >= num_early) store(i, load_f32<kLoad>(scales + i));
-}
-
-// The sender's row copies: loads into registers and stores from them, or (kBulk) bulk copies through
-// shared memory.
-template <bool kBulk>
-struct SenderRows;
-
-template <>
-struct SenderRows<false> {
-  __device__ SenderRows(const DispatchArgs&, uint8_t*, int, int, int) {}
-  template <typename Ptr>
-  __device__ void copy(const DispatchArgs& a, int t, int, Ptr const (&dst)[kMaxNvlPeers], uint8_t*) {
-    const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
-                                                        static_cast<int64_t>(t) * a.row_bytes);
-    warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, a.row_bytes / 16);
-  }
-  __device__ void skip(int) {}
-  __device__ void after_slot_freed() {}
-  __device__ void complete() {}
-};
-
-#ifdef EP_PLUGIN_HAS_BULK_COPIES
-template <>
-struct SenderRows<true> {
-  // Warp `warp`'s tokens: first_token, first_token + kWarpsPerChannel, ... below token_end.
-  __device__ SenderRows(const DispatchArgs& a, uint8_t* shared, int warp, int first_token, int token_end)
-      : rows(shared, warp, kWarpsPerChannel, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(first_token) * a.row_bytes,
-             static_cast<int64_t>(kWarpsPerChannel) * a.row_bytes,
-             first_token < token_end ? (token_end - first_token + kWarpsPerChannel - 1) / kWarpsPerChannel : 0,
-             a.row_bytes) {}
-  // The k-th token of the warp to this lane's destination (lane r: rank r's).
-  template <typename Ptr>
-  __device__ void copy(const DispatchArgs&, int, int k, Ptr const (&)[kMaxNvlPeers], uint8_t* lane_dst) {
-    rows.copy_row(k, lane_dst);
-  }
-  __device__ void skip(int k) { rows.copy_row(k, nullptr); }
-  // NOTE: the receiver's reads of a slot, seen through this lane's acquire of the ring head, come
-  // before the bulk copies' writes into it.
-  __device__ void after_slot_freed() { fence_proxy_async(); }
-  // Before a release that publishes this lane's rows, and before the kernel ends.
-  __device__ void complete() { bulk_wait_all(); }
-  WarpBulkRows rows;
-};
-#endif
-
 template <bool kBulk>
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                 int channel, int warp, const WaitSite& site, uint8_t* shared) {
@@ -115,7 +33,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   const int R = a.num_ranks;
   int token_begin, token_end;
   channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
-  SenderRows<kBulk> rows(a, shared, warp, token_begin + warp, token_end);
+  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin + warp, kWarpsPerChannel, token_end);
 
   // Lane r drives the sub-ring towards rank r.
   const bool owns_ring = lane < R && lane != a.rank;
@@ -383,22 +301,6 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
   phases.store();
 }
 
-// Rows past the received count are padding when num_worst_tokens > 0: mark them unrouted.
-__device__ void mark_padding_rows(const DispatchArgs& a, int receiver_index, int num_receivers) {
-  if (a.num_worst_tokens == 0) return;
-  const int num_recv = *a.num_recv_tokens;
-  const int64_t first = static_cast<int64_t>(num_recv) * a.num_topk;
-  const int64_t last = static_cast<int64_t>(a.num_worst_tokens) * a.num_topk;
-  const int stride = num_receivers * blockDim.x;
-  for (int64_t i = first + receiver_index * blockDim.x + threadIdx.x; i < last; i += stride) {
-    if (a.recv_topk_idx != nullptr) a.recv_topk_idx[i] = -1;
-    if (a.recv_topk_weights != nullptr) a.recv_topk_weights[i] = 0.f;
-  }
-  if (a.recv_src_idx != nullptr)
-    for (int64_t row = num_recv + receiver_index * blockDim.x + threadIdx.x; row < a.num_worst_tokens; row += stride)
-      a.recv_src_idx[row] = -1;
-}
-
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
   extern __shared__ __align__(16) uint8_t shared[];
   Header* me = header_of(args.peer_buffers, args.rank);
@@ -435,27 +337,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  EP_CHECK_ARG(args.num_ranks >= 1 && args.num_ranks <= kMaxNvlPeers,
-               "intranode kernels support 1 to " << kMaxNvlPeers << " ranks, got " << args.num_ranks);
-  EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-               "channels (num_sms / 2) must be in [1, " << kMaxChannels << "], got " << args.num_channels);
-  EP_CHECK_ARG(args.row_bytes > 0 && args.row_bytes % 16 == 0, "rows must be a multiple of 16 bytes, got "
-                                                                   << args.row_bytes);
-  EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
-  EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
-  EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
-               "x_scales and num_scales disagree");
-  const int shared_bytes = args.bulk_rows ? bulk_rows_shared_bytes(kWarpsPerChannel) : 0;
-  if (args.bulk_rows) {
-    EP_CHECK_ARG(bulk_rows_fit(args.row_bytes), "rows of " << args.row_bytes << " bytes are too long for bulk copies");
-    // NOTE: once per process, which drives one GPU (one rank per process).
-    static const bool attribute_set = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      bulk_rows_shared_bytes(kWarpsPerChannel)));
-      return true;
-    }();
-    (void)attribute_set;
-  }
+  check_dispatch_args(args);
+  const int shared_bytes = bulk_rows_shared_bytes_for<dispatch_kernel>(args);
   dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..tuning import INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
+from ..output_region import OutputRegion
 from .base import Backend, DispatchRoute, GroupInfo
 
 try:
@@ -219,8 +220,10 @@ class NativeBackend(Backend):
             raise RuntimeError(f"native backend unavailable: {reason}")
         self._runtime = None
         self._staging_bytes = 0
+        self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
         self._side_stream: Optional[torch.cuda.Stream] = None
         self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
+        self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         self._ll = None
         self._ll_parity = 0
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
@@ -233,12 +236,16 @@ class NativeBackend(Backend):
         elif not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
             # The copy-engine combine's staging area: only for buffers made for normal mode.
             staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
-            self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging)
+            output_bytes = 0 if low_latency_mode else settings.buffer.dispatch_output_bytes
+            self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
+                                                output_bytes)
             peers: List[Optional[Tuple[bytes, int]]] = [None] * info.num_ranks
             dist.all_gather_object(peers, (self._runtime.ipc_handle(), staging), group=info.group)
             self._runtime.connect([handle for handle, _ in peers])
             # Every rank carves its peers' staging areas alike: by the smallest of them.
             self._staging_bytes = min(size for _, size in peers)
+            if output_bytes > 0:
+                self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
         if low_latency_mode:
             self._ll = self._start_low_latency(num_rdma_bytes)
         self._num_device_sms = torch.cuda.get_device_properties(info.device).multi_processor_count
@@ -402,14 +409,16 @@ class NativeBackend(Backend):
         else:
             num_recv, per_rank, per_expert, rows = None, None, [], num_worst_tokens
 
-        recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
-        recv_scales = None if x_scales is None else self._empty(rows, x_scales.size(1), dtype=torch.float32)
-        recv_topk_idx = self._empty(rows, K, dtype=torch.int64)
-        recv_topk_weights = None if topk_weights is None else self._empty(rows, K, dtype=torch.float32)
-        recv_src_idx = self._empty(rows, dtype=torch.int32)
+        direct = self._direct_dispatch_possible()
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._recv_outputs(
+            direct, [((rows, x.size(1)), x.dtype),
+                     None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
+                     ((rows, K), torch.int64),
+                     None if topk_weights is None else ((rows, K), torch.float32),
+                     ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                               recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                              config)
+                              config, direct_rows=rows if direct else None)
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
@@ -417,9 +426,39 @@ class NativeBackend(Backend):
                               num_recv_per_rank=per_rank)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
 
+    def _direct_dispatch_possible(self) -> bool:
+        """Whether this intranode dispatch writes straight into the ranks' output regions. Every rank decides
+        alike: all have the region (same config) and capture graphs together."""
+        return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
+
+    def _recv_outputs(self, direct: bool, specs) -> List[Optional[torch.Tensor]]:
+        """The dispatch's outputs for `specs` ((shape, dtype) or None each; the rows and their scales
+        first, then the metadata): in the output region when `direct` (two blocks: the rows go back
+        with recv_x, the metadata with the handle), else ordinary tensors."""
+        if not direct:
+            return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs]
+        outputs: List[Optional[torch.Tensor]] = []
+        for group in (specs[:2], specs[2:]):
+            present = [spec for spec in group if spec is not None]
+            tensors = iter(self._region_group(present) if present else [])
+            outputs.extend(None if spec is None else next(tensors) for spec in group)
+        return outputs
+
+    def _region_group(self, specs) -> List[torch.Tensor]:
+        tensors = self._outputs.empty_group(specs)
+        if tensors is None:
+            # NOTE: the peers take the direct path too and will wait for this rank (until timeout_s).
+            nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
+            raise RuntimeError(
+                f"ep_plugin rank {self.info.rank}: the dispatch's output region has no room for {nbytes} bytes "
+                f"({self._outputs.describe()}); outputs of earlier dispatches still alive hold the rest. "
+                "Free them, or raise buffer.dispatch_output_bytes")
+        return tensors
+
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                         config: Config) -> None:
+                         config: Config, direct_rows: Optional[int] = None) -> None:
+        self.last_dispatch_path = "rings" if direct_rows is None else "direct"
         self._intranode().dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
@@ -429,17 +468,20 @@ class NativeBackend(Backend):
             topk_weights=_address(topk_weights), send_pos=_address(send_pos), recv_x=_address(recv_x),
             recv_x_scales=_address(recv_scales), recv_topk_idx=_address(recv_topk_idx),
             recv_topk_weights=_address(recv_topk_weights), recv_src_idx=_address(recv_src_idx),
-            num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream())
+            num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream(),
+            direct=direct_rows is not None, num_recv_rows=direct_rows or 0)
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
             return self._internode_cached_dispatch(x, x_scales, handle, config)
         self._check_sms(config)
         rows = handle.num_recv_rows
-        recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
-        recv_scales = None if x_scales is None else self._empty(rows, x_scales.size(1), dtype=torch.float32)
+        direct = self._direct_dispatch_possible()
+        recv_x, recv_scales = self._recv_outputs(
+            direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
         self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
-                              handle.num_worst_tokens, handle.num_recv_device, config)
+                              handle.num_worst_tokens, handle.num_recv_device, config,
+                              direct_rows=rows if direct else None)
         return recv_x, recv_scales
 
     def combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
