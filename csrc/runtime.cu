@@ -106,15 +106,6 @@ void IntranodeRuntime::read_tuning_overrides() {
   }
   if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
   if (const char* bulk = std::getenv("EP_PLUGIN_DISPATCH_BULK")) dispatch_bulk_rows_ = std::atoi(bulk) != 0;
-  if (const char* own = std::getenv("EP_PLUGIN_DIRECT_OWN_BLOCKS")) {
-    EP_CHECK_ARG(std::sscanf(own, "%d", &direct_own_blocks_) == 1 && direct_own_blocks_ >= 0,
-                 "EP_PLUGIN_DIRECT_OWN_BLOCKS must be an integer >= 0, got " << own);
-  }
-  if (const char* warps = std::getenv("EP_PLUGIN_DIRECT_WARPS")) {
-    EP_CHECK_ARG(std::sscanf(warps, "%d", &direct_warps_) == 1 && direct_warps_ >= 0 &&
-                     direct_warps_ <= intranode::kWarpsPerChannel,
-                 "EP_PLUGIN_DIRECT_WARPS must be in [0, " << intranode::kWarpsPerChannel << "], got " << warps);
-  }
   if (const char* blocks = std::getenv("EP_PLUGIN_DIRECT_MAX_BLOCKS")) {
     EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
                  "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
@@ -233,8 +224,6 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.late_scales = late_scales_;
   // Rows past the bulk split's reach (about 200 KB) go through registers.
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
-  args.direct_own_blocks = direct_own_blocks_;
-  args.direct_warps = direct_warps_;
   args.direct_max_blocks = direct_max_blocks_;
 }
 

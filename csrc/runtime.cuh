@@ -94,8 +94,8 @@ class IntranodeRuntime {
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
-  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_OWN_BLOCKS, EP_PLUGIN_DIRECT_WARPS, EP_PLUGIN_DIRECT_MAX_BLOCKS,
-  // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
+  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_COMBINE_PAIR,
+  // EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -109,8 +109,6 @@ class IntranodeRuntime {
   int64_t num_nvl_bytes_;
   int64_t staging_offset_ = 0, staging_bytes_ = 0;
   int64_t output_offset_ = 0, output_bytes_ = 0;
-  int direct_own_blocks_ = 0;  // EP_PLUGIN_DIRECT_OWN_BLOCKS
-  int direct_warps_ = 0;       // EP_PLUGIN_DIRECT_WARPS
   // The direct dispatch on at most this many blocks (EP_PLUGIN_DIRECT_MAX_BLOCKS; 0: num_sms): on 2x H200,
   // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
   int direct_max_blocks_ = 16;

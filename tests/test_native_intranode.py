@@ -130,22 +130,20 @@ def test_cases_multi_rank_register_copies():
 DIRECT_OUTPUT_BYTES = 512 << 20
 
 
-def direct_cases_rank(rank: int, R: int, group, names, own_blocks: int) -> list:
-    os.environ["EP_PLUGIN_DIRECT_OWN_BLOCKS"] = str(own_blocks)  # read when the native Buffer is created
+def direct_cases_rank(rank: int, R: int, group, names) -> list:
     return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES)
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("own_blocks", [0, 8], ids=["mixed_blocks", "own_row_blocks"])
-def test_cases_multi_rank_direct_outputs(own_blocks):
-    names = [c["name"] for c in CASES if c["name"] != "sms2" or own_blocks == 0]  # 2 SMs: no block to spare
-    assert parallel_launch(RANKS, direct_cases_rank, names, own_blocks) == [names] * RANKS
+def test_cases_multi_rank_direct_outputs():
+    names = [c["name"] for c in CASES]
+    assert parallel_launch(RANKS, direct_cases_rank, names) == [names] * RANKS
 
 
 @needs_ranks(1)
 def test_cases_one_rank_direct_outputs():
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "num_worst", "sms2")]
-    assert parallel_launch(1, direct_cases_rank, names, 0)[0] == names
+    assert parallel_launch(1, direct_cases_rank, names)[0] == names
 
 
 @needs_ranks(1)

@@ -73,9 +73,6 @@ struct DispatchArgs {
   bool late_scales;                 // load FP8 scales after the row copy (diagnostic; default: before it)
   bool bulk_rows;                   // senders copy rows by bulk copies through shared memory (sm_90 on;
                                     // a build without sm_90 code copies through registers)
-  int direct_own_blocks;            // direct dispatch: blocks that write only this rank's own rows, the
-                                    // others only rows for peers (0: every block writes both)
-  int direct_warps;                 // direct dispatch: sender warps per block (0: kWarpsPerChannel)
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   DeviceStatus* status;
   uint64_t timeout_ns;

@@ -8,9 +8,8 @@
 //   entered this call, so its outputs are its own for this call.
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
-// - Grid: num_channels * 2 blocks. With direct_own_blocks = K, blocks [0, K) write this rank's own
-//   rows and the others the rows for peers: local copies on other SMs do not slow the link
-//   (docs/benchmarks.md, fourteenth session). With K = 0 each block writes both.
+// - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes a contiguous run of
+//   tokens and writes each row to every rank that has it, this rank included.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -71,39 +70,19 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
                      output_at<int32_t>(base, word(theirs.recv_src_idx))};
 }
 
-// This block's share of the tokens and which destinations it writes (see the file comment).
-struct BlockRole {
-  bool writes_own, writes_peers;
-  int group_block, group_blocks;
-
-  __device__ explicit BlockRole(const DispatchArgs& a) {
-    const int own_blocks = a.num_ranks == 1 ? 0 : a.direct_own_blocks;
-    const bool own_group = static_cast<int>(blockIdx.x) < own_blocks;
-    writes_own = own_blocks == 0 || own_group;
-    writes_peers = own_blocks == 0 || !own_group;
-    group_block = own_group || own_blocks == 0 ? blockIdx.x : blockIdx.x - own_blocks;
-    group_blocks = own_blocks == 0 ? gridDim.x : own_group ? own_blocks : gridDim.x - own_blocks;
-  }
-};
-
 template <bool kBulk>
 __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], uint8_t* shared) {
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
-  const BlockRole role(a);
-  // NOTE: fewer warps in flight can move the bytes faster (too many outstanding writes crowd the link).
-  const int num_warps = a.direct_warps > 0 && a.direct_warps < kWarpsPerChannel ? a.direct_warps : kWarpsPerChannel;
-  if (warp >= num_warps) return;
   // Lane r writes rank r's rows; each warp takes a contiguous run of tokens.
-  const bool lane_writes = lane < R && (lane == a.rank ? role.writes_own : role.writes_peers);
   int token_begin, token_end;
-  channel_token_range(a.num_tokens, role.group_blocks * num_warps, role.group_block * num_warps + warp, token_begin,
+  channel_token_range(a.num_tokens, gridDim.x * kWarpsPerChannel, blockIdx.x * kWarpsPerChannel + warp, token_begin,
                       token_end);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin, 1, token_end);
 
   // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
-  auto load_pos = [&](int t) { return lane_writes && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int next_pos = load_pos(token_begin);
   for (int t = token_begin; t < token_end; ++t) {
     const int pos = next_pos;
@@ -210,8 +189,6 @@ void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int num_blocks = args.direct_max_blocks > 0 && args.direct_max_blocks < args.num_channels * 2
                              ? args.direct_max_blocks
                              : args.num_channels * 2;
-  EP_CHECK_ARG(args.direct_own_blocks >= 0 && (args.num_ranks == 1 || args.direct_own_blocks < num_blocks),
-               "direct dispatch: own-row blocks must be in [0, " << num_blocks << "), got " << args.direct_own_blocks);
   const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel>(args);
   direct_dispatch_kernel<<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
