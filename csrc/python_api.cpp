@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "common/binding.h"
+#include "common/dlpack_abi.h"
 #include "common/exception.cuh"
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
+#include "output_region.h"
 #include "runtime.cuh"
 
 namespace py = pybind11;
@@ -77,7 +79,7 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
                       uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                       uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream,
-                      bool direct, int64_t num_recv_rows) {
+                      bool direct, int64_t num_recv_rows, bool has_room) {
   intranode::DispatchArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
@@ -99,7 +101,7 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
   args.num_worst_tokens = num_worst_tokens;
   args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  if (direct) runtime.direct_dispatch(args, num_recv_rows, as_stream(stream));
+  if (direct) runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream));
   else runtime.dispatch(args, as_stream(stream));
 }
 
@@ -159,6 +161,59 @@ py::tuple runtime_wait_notify(IntranodeRuntime& runtime, int tag, int num_local_
   return py::make_tuple(result.num_recv_tokens, result.num_recv_tokens_per_rank, result.num_recv_tokens_per_expert);
 }
 
+// A region tensor handed to torch: its shape, and the region that takes its block back when torch drops it.
+struct RegionTensorOwner {
+  dlpack::ManagedTensor managed{};
+  std::vector<int64_t> shape;
+  std::shared_ptr<OutputRegionAllocator> region;
+  int64_t block_offset;
+};
+
+void release_region_tensor(dlpack::ManagedTensor* managed) {
+  auto* owner = static_cast<RegionTensorOwner*>(managed->manager_ctx);
+  owner->region->release_tensor(owner->block_offset);
+  delete owner;
+}
+
+// An unconsumed capsule (its tensor never made) still returns its share of the block.
+void destroy_region_capsule(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) {
+    auto* managed = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
+    managed->deleter(managed);
+  }
+}
+
+py::capsule region_capsule(const std::shared_ptr<OutputRegionAllocator>& region, const OutputRegionAllocator::Tensor& t,
+                           int64_t block_offset) {
+  auto* owner = new RegionTensorOwner{{}, t.shape, region, block_offset};
+  dlpack::Tensor& dl = owner->managed.dl_tensor;
+  dl.data = t.data;
+  dl.device = region->device() >= 0 ? dlpack::Device{dlpack::kCUDA, region->device()} : dlpack::Device{dlpack::kCPU, 0};
+  dl.ndim = static_cast<int32_t>(owner->shape.size());
+  dl.dtype = dlpack::DataType{dlpack::kUInt, 8, 1};
+  dl.shape = owner->shape.data();
+  owner->managed.manager_ctx = owner;
+  owner->managed.deleter = release_region_tensor;
+  PyObject* capsule = PyCapsule_New(&owner->managed, dlpack::kCapsuleName, destroy_region_capsule);
+  if (capsule == nullptr) {
+    release_region_tensor(&owner->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(capsule);
+}
+
+// DLPack capsules of uint8 tensors with `byte_shapes`, in one block of the region; None when it is full.
+py::object allocate_in_region(const std::shared_ptr<OutputRegionAllocator>& region,
+                              const std::vector<std::vector<int64_t>>& byte_shapes, uintptr_t stream) {
+  auto tensors = region->allocate(byte_shapes, stream);
+  if (!tensors) return py::none();
+  const int64_t block_offset = tensors->empty() ? 0 : static_cast<uint8_t*>(tensors->front().data) -
+                                                          reinterpret_cast<uint8_t*>(region->address());
+  py::list capsules;
+  for (const auto& tensor : *tensors) capsules.append(region_capsule(region, tensor, block_offset));
+  return std::move(capsules);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -205,6 +260,31 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_out_rows"), py::arg("num_slots"), py::arg("hidden"), py::arg("num_sms"), py::arg("stream"),
         "out[n] = sum of rows[index[n, s]] over s with index >= 0 (bf16 rows, fp32 sums).");
 
+  // The allocator's bookkeeping alone, markers as ints (tests; no CUDA).
+  using Ranges = RegionRanges<int64_t>;
+  py::class_<Ranges>(m, "RegionRanges")
+      .def(py::init<int64_t>(), py::arg("size"))
+      .def("allocate", [](Ranges& self, int64_t nbytes) -> py::object {
+        auto found = self.allocate(nbytes);
+        if (!found) return py::none();
+        py::dict pending;
+        for (const auto& [stream, entry] : found->pending) pending[py::int_(stream)] = entry.marker;
+        return py::make_tuple(found->offset, pending);
+      }, py::arg("nbytes"), "(offset, {stream: marker of its latest release}) or None when no free range holds it.")
+      .def("release", &Ranges::release, py::arg("offset"), py::arg("nbytes"), py::arg("stream"), py::arg("marker"))
+      .def("free_bytes", &Ranges::free_bytes)
+      .def("largest_free", &Ranges::largest_free);
+  m.attr("REGION_ALIGNMENT") = kRegionAlignment;
+
+  py::class_<OutputRegionAllocator, std::shared_ptr<OutputRegionAllocator>>(m, "OutputRegionAllocator")
+      .def(py::init<uintptr_t, int64_t, int>(), py::arg("address"), py::arg("size"), py::arg("device"),
+           "The output region at address (size bytes) of CUDA device `device`, or of host memory with -1.")
+      .def("allocate", &allocate_in_region, py::arg("byte_shapes"), py::arg("stream"),
+           "DLPack capsules of uint8 tensors of byte_shapes (each 256-byte aligned) in one block, on `stream`; "
+           "None when no free range holds them. The block returns when every tensor made from them is gone.")
+      .def("largest_free", &OutputRegionAllocator::largest_free)
+      .def("describe", &OutputRegionAllocator::describe);
+
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
       .def(py::init<int, int, int64_t, double, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
            py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0)
@@ -237,9 +317,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
            py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"), py::arg("direct") = false,
-           py::arg("num_recv_rows") = 0,
-           "direct: every rank's outputs (num_recv_rows rows) are in its output region and senders write them "
-           "directly; every rank of the call must pass the same.")
+           py::arg("num_recv_rows") = 0, py::arg("has_room") = true,
+           "direct: senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every "
+           "rank of the call must pass the same. has_room false: this rank's outputs are elsewhere (its region "
+           "was full), and every rank falls back to the rings.")
+      .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
+           "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
            py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
            py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),

@@ -230,11 +230,15 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
   require_connected();
   fill_dispatch_args(args);
+  require_rings_fit(args);
+  intranode::launch_dispatch(args, stream);
+}
+
+void IntranodeRuntime::require_rings_fit(const intranode::DispatchArgs& args) const {
   const intranode::RingLayout layout{num_ranks_, args.num_channels,
                                      intranode::slots_per_sub_ring(args.recv_tokens_per_channel),
                                      intranode::slot_bytes_for(args.row_bytes + 4LL * args.num_scales)};
   require_buffer_fits(layout.total_bytes(), "dispatch");
-  intranode::launch_dispatch(args, stream);
 }
 
 uintptr_t IntranodeRuntime::output_region_address() const {
@@ -250,18 +254,34 @@ void IntranodeRuntime::require_in_output_region(const void* output, int64_t byte
                                    << output_bytes_ << " bytes (buffer.dispatch_output_bytes)");
 }
 
-void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, cudaStream_t stream) {
+void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
+                                       cudaStream_t stream) {
   require_connected();
   EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
   EP_CHECK_ARG(num_recv_rows >= 0, "num_recv_rows must be >= 0, got " << num_recv_rows);
   fill_dispatch_args(args);
-  const int64_t rows = num_recv_rows;
-  require_in_output_region(args.recv_x, rows * args.row_bytes, "recv_x");
-  require_in_output_region(args.recv_x_scales, rows * args.num_scales * 4, "recv_x_scales");
-  require_in_output_region(args.recv_topk_idx, rows * args.num_topk * 8, "recv_topk_idx");
-  require_in_output_region(args.recv_topk_weights, rows * args.num_topk * 4, "recv_topk_weights");
-  require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
+  require_rings_fit(args);  // for a fallback
+  args.direct_has_room = has_room;
+  if (has_room) {
+    const int64_t rows = num_recv_rows;
+    require_in_output_region(args.recv_x, rows * args.row_bytes, "recv_x");
+    require_in_output_region(args.recv_x_scales, rows * args.num_scales * 4, "recv_x_scales");
+    require_in_output_region(args.recv_topk_idx, rows * args.num_topk * 8, "recv_topk_idx");
+    require_in_output_region(args.recv_topk_weights, rows * args.num_topk * 4, "recv_topk_weights");
+    require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
+  }
   intranode::launch_direct_dispatch(args, stream);
+  // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header).
+  args.only_after_fallback = true;
+  intranode::launch_dispatch(args, stream);
+}
+
+bool IntranodeRuntime::direct_fell_back() const {
+  require_connected();
+  uint32_t flag = 0;
+  const auto* header = static_cast<const intranode::Header*>(buffer_);
+  CUDA_CHECK(cudaMemcpy(&flag, &header->direct_fell_back, sizeof(flag), cudaMemcpyDeviceToHost));
+  return flag != 0;
 }
 
 void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream) {

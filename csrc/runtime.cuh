@@ -62,8 +62,11 @@ class IntranodeRuntime {
   void notify(intranode::NotifyArgs args, cudaStream_t stream);
   void dispatch(intranode::DispatchArgs args, cudaStream_t stream);
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
-  // the senders themselves. Every rank of the call must take this path.
-  void direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, cudaStream_t stream);
+  // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
+  // in its region (has_room false: the region was full) makes every rank fall back to the rings.
+  void direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream);
+  // Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).
+  bool direct_fell_back() const;
   void combine(intranode::CombineArgs args, cudaStream_t stream);
   // Combine through the copy engines: each rank copies its rows for every owner into the owner's
   // staging area on `stream` while the owner's SMs sum them on `side`; `stream` then waits for `side`.
@@ -78,6 +81,8 @@ class IntranodeRuntime {
  private:
   void require_connected() const;
   void require_buffer_fits(int64_t needed, const char* op) const;
+  // Throws unless the dispatch's rings fit the buffer.
+  void require_rings_fit(const intranode::DispatchArgs& args) const;
   // Throws unless `bytes` at `output` lie in the output region (or output is null).
   void require_in_output_region(const void* output, int64_t bytes, const char* name) const;
   // The dispatch's runtime-owned fields (buffers, rank, status, timeout, tuning).

@@ -122,6 +122,16 @@ class Timer:
         return times
 
 
+def _dispatch_path(buf: Buffer) -> str:
+    """Which intranode dispatch ran last: "direct", "direct, fell back to rings" or "rings" (native),
+    else the backend's name."""
+    backend = buf._backend
+    path = getattr(backend, "last_dispatch_path", "") or buf.backend_name
+    if path == "direct" and backend.direct_fell_back():
+        return "direct, fell back to rings"
+    return path
+
+
 def summarize(times_us: List[float]) -> Dict[str, float]:
     ordered = sorted(times_us)
 
@@ -212,6 +222,13 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
         checked = True
 
     num_recv = recv_rows.size(0)
+    # The checks' outputs go before the timing: a dispatch's outputs may live in the direct dispatch's
+    # output region (`buffer.dispatch_output_bytes: auto` holds two dispatches' at once), and a user's
+    # step holds one dispatch's while the next runs, not four.
+    fp8_expert_out = expert_out if s.dtype == "fp8" else None
+    del recv, recv_rows, expert_out, combined
+    if s.check:
+        del cached
     own = int(buffer.get_dispatch_layout(topk_idx, s.num_experts)[0][rank])  # this rank's tokens to itself
     bytes_per_token = s.hidden * (1 if s.dtype == "fp8" else 2) + (4 * math.ceil(s.hidden / 128) if s.dtype == "fp8" else 0)
     combine_bytes_per_token = s.hidden * 2
@@ -223,8 +240,8 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
     for prefix, buf in measured:
         out = run_dispatch(buf)
         rows, hdl = (out[0][0] if isinstance(out[0], tuple) else out[0]), out[4]
-        combine_x = expert_out if rows.size(0) == expert_out.size(0) else torch.zeros(
-            rows.shape, dtype=torch.bfloat16, device=device)
+        # BF16: the dispatched rows themselves; FP8: random BF16 rows of their shape.
+        combine_x = rows if fp8_expert_out is None else fp8_expert_out
         dispatch_times = timer.run(lambda: run_dispatch(buf), group, s.warmup, s.iters)
         # Cached dispatch (the handle's layout, no notify and no host wait): what DeepEP's
         # test_intranode.py times for its published dispatch figures.
@@ -233,7 +250,8 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
         results[prefix + "dispatch"] = dict(times_us=dispatch_times, recv_bytes=num_recv * bytes_per_token,
                                             link_bytes=(num_recv - own) * bytes_per_token)
         results[prefix + "dispatch_cached"] = dict(times_us=cached_times, recv_bytes=num_recv * bytes_per_token,
-                                                   link_bytes=(num_recv - own) * bytes_per_token)
+                                                   link_bytes=(num_recv - own) * bytes_per_token,
+                                                   path=_dispatch_path(buf))
         results[prefix + "combine"] = dict(times_us=combine_times, recv_bytes=num_recv * combine_bytes_per_token,
                                            link_bytes=(num_recv - own) * combine_bytes_per_token,
                                            path=getattr(buf._backend, "last_combine_path", "") or buf.backend_name)
@@ -382,7 +400,8 @@ def format_table(run: dict) -> str:
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
         link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
-        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") else ""
+        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm", "direct", "rings",
+                                                       "direct, fell back to rings") else ""
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
                      f"{_gbps(e['algo_gbps']):>12}{link:>12}{path}")
     return "\n".join(lines)

@@ -57,7 +57,7 @@ class BufferSection:
     num_nvl_bytes: Union[int, str] = AUTO
     num_rdma_bytes: Union[int, str] = AUTO
     combine_staging_tokens: Union[int, str] = AUTO
-    dispatch_output_bytes: int = 0
+    dispatch_output_bytes: Union[int, str] = AUTO
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def _validate_section(source: Optional[str], name: str, value: Any):
                                                       merged["combine_staging_tokens"], minimum=0, maximum=32768,
                                                       allow_auto=True)
         merged["dispatch_output_bytes"] = _check_int(source, k("dispatch_output_bytes"),
-                                                     merged["dispatch_output_bytes"], minimum=0)
+                                                     merged["dispatch_output_bytes"], minimum=0, allow_auto=True)
     elif cls is LowLatencySection:
         merged["max_dispatch_tokens_per_rank"] = _check_int(
             source, k("max_dispatch_tokens_per_rank"), merged["max_dispatch_tokens_per_rank"], minimum=1, maximum=1 << 16)

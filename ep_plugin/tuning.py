@@ -91,6 +91,26 @@ def staging_bytes(buffer, num_ranks: int) -> int:
     return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
 
 
+# `buffer.dispatch_output_bytes: auto`: the direct dispatch where it has run on GPUs (1 and 2 ranks on
+# 2x H200), with room for 16384 received rows of `max_hidden` (two dispatches of 4096 tokens per rank
+# at 2 ranks, alive at once); none at more ranks. Dispatches that do not fit take the rings.
+AUTO_OUTPUT_ROWS = 16384
+AUTO_OUTPUT_MAX_RANKS = 2
+
+
+def output_row_bytes(max_hidden: int) -> int:
+    """Region bytes of one received row at most: BF16 row, FP32 scales per 128 channels, top-k ids and
+    weights (at most MAX_TOPK), source index."""
+    return 2 * max_hidden + 4 * math.ceil(max_hidden / 128) + 12 * MAX_TOPK + 4
+
+
+def output_region_bytes(buffer, num_ranks: int) -> int:
+    """Bytes of the direct dispatch's output region that `buffer` asks for (0: none)."""
+    if buffer.dispatch_output_bytes == "auto":
+        return AUTO_OUTPUT_ROWS * output_row_bytes(buffer.max_hidden) if num_ranks <= AUTO_OUTPUT_MAX_RANKS else 0
+    return int(buffer.dispatch_output_bytes)
+
+
 def staging_rows(staging_bytes_: int, num_ranks: int, hidden: int) -> int:
     """Rows per peer that `staging_bytes_` hold at `hidden` (0: fewer than two pieces)."""
     if num_ranks < 2:

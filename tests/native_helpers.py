@@ -68,7 +68,10 @@ def poison_output_region(buffer) -> None:
     region = getattr(getattr(buffer, "_backend", None), "_outputs", None)
     if region is None:
         return
-    block = region.empty((region.largest_free_bytes(),), torch.uint8)
+    largest = region.largest_free_bytes()
+    if largest == 0:
+        return
+    (block,) = region.empty_group([((largest,), torch.uint8)], torch.cuda.current_stream().cuda_stream)
     block.fill_(0x7F)
     del block
 

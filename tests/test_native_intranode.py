@@ -21,7 +21,7 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
-                 check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes: int = 0):
+                 check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
@@ -56,11 +56,13 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
 
 
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
-               dispatch_output_bytes: int = 0) -> list:
+               dispatch_output_bytes=0) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes)
-    expect_dispatch_path = "direct" if dispatch_output_bytes else "rings"
+    # `auto`: a region at 1 and 2 ranks, where the direct dispatch has run on GPUs.
+    direct = dispatch_output_bytes == "auto" and R <= 2 or dispatch_output_bytes not in ("auto", 0)
+    expect_dispatch_path = "direct" if direct else "rings"
     if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
         expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
     assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
@@ -72,6 +74,8 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             assert path == expected_combine_path(case, R, combine_staging_tokens), f"combine ran on the {path} path"
             path = native._backend.last_dispatch_path
             assert path == expect_dispatch_path, f"dispatch ran on the {path} path"
+            if path == "direct":
+                assert not native._backend.direct_fell_back(), "the direct dispatch fell back to the rings"
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -140,10 +144,55 @@ def test_cases_multi_rank_direct_outputs():
     assert parallel_launch(RANKS, direct_cases_rank, names) == [names] * RANKS
 
 
+@needs_ranks(RANKS)
+def test_cases_multi_rank_auto_output_region():
+    """The default `buffer.dispatch_output_bytes: auto` sizes a region at 2 ranks: the direct path."""
+    names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden7168", "num_worst", "large")]
+    assert parallel_launch(RANKS, cases_rank, names, 4096, None, "auto") == [names] * RANKS
+
+
 @needs_ranks(1)
 def test_cases_one_rank_direct_outputs():
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden1536", "topk9", "num_worst", "sms2")]
     assert parallel_launch(1, direct_cases_rank, names)[0] == names
+
+
+def region_full_cases_rank(rank: int, R: int, group, names, full_on) -> list:
+    """Cases on the direct path where, in the cases of `full_on`, the last rank's region is held full
+    (a block of all but 1 MB): that rank passes ordinary outputs, and every rank must fall back to the
+    rings in the same call, with exact results, no error and no wait. Returns whether each case's last
+    dispatch fell back."""
+    torch.manual_seed(rank)
+    native, reference = make_buffers(group, dispatch_output_bytes=DIRECT_OUTPUT_BYTES)
+    region = native._backend._outputs
+    fell_back = []
+    for i, case in enumerate(c for c in CASES if c["name"] in names):
+        held = None
+        if rank == R - 1 and case["name"] in full_on:
+            held = region.empty_group([((region.largest_free_bytes() - (1 << 20),), torch.uint8)],
+                                      torch.cuda.current_stream().cuda_stream)
+        run_case(native, reference, rank, R, case, seed=2000 + i)
+        assert native._backend.last_dispatch_path == "direct"
+        torch.cuda.synchronize()
+        fell_back.append(native._backend.direct_fell_back())
+        del held
+    torch.cuda.synchronize()
+    native.destroy()
+    reference.destroy()
+    return fell_back
+
+
+@needs_ranks(RANKS)
+def test_direct_outputs_fall_back_together_when_a_region_is_full():
+    names = ("hidden7168", "fp8_hidden7168", "topk9")  # in CASES order
+    results = parallel_launch(RANKS, region_full_cases_rank, names, ("hidden7168", "topk9"))
+    assert results == [[True, False, True]] * RANKS
+
+
+@needs_ranks(1)
+def test_direct_outputs_fall_back_at_one_rank():
+    results = parallel_launch(1, region_full_cases_rank, ("hidden7168", "fp8_hidden7168"), ("hidden7168",))
+    assert results == [[True, False]]
 
 
 @needs_ranks(1)

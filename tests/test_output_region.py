@@ -1,13 +1,21 @@
-"""The output region's allocator (ep_plugin/output_region.py): offsets, coalescing and what a reuse
-from another stream must wait for. Pure bookkeeping, no GPU."""
+"""The output region's allocator (csrc/output_region.h through ep_plugin/output_region.py): offsets,
+coalescing, what a reuse from another stream must wait for, and that a block returns only when the last
+tensor on it is gone. Over host memory: no GPU (runs wherever ep_plugin._C imports, CI included)."""
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+import torch
 
+from ep_plugin import tuning
 from ep_plugin.config import ConfigError, as_config
-from ep_plugin.output_region import ALIGNMENT, RangeAllocator
+from ep_plugin.output_region import OutputRegion, byte_shape
+
+_C = pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
+ALIGNMENT = _C.REGION_ALIGNMENT
+RangeAllocator = _C.RegionRanges
 
 
 def test_first_fit_aligned_offsets():
@@ -22,7 +30,7 @@ def test_full_region_returns_none():
     ranges = RangeAllocator(4 * ALIGNMENT)
     assert ranges.allocate(4 * ALIGNMENT)[0] == 0
     assert ranges.allocate(1) is None
-    ranges.release(0, 4 * ALIGNMENT, stream=1, marker="e")
+    ranges.release(0, 4 * ALIGNMENT, stream=1, marker=0)
     assert ranges.allocate(4 * ALIGNMENT)[0] == 0
 
 
@@ -40,21 +48,21 @@ def test_reuse_reports_the_latest_release_per_stream():
     a = ranges.allocate(ALIGNMENT)[0]
     b = ranges.allocate(ALIGNMENT)[0]
     c = ranges.allocate(2 * ALIGNMENT)[0]
-    ranges.release(a, ALIGNMENT, stream=7, marker="first on 7")
-    ranges.release(b, ALIGNMENT, stream=7, marker="second on 7")
-    ranges.release(c, 2 * ALIGNMENT, stream=9, marker="on 9")
+    ranges.release(a, ALIGNMENT, stream=7, marker=71)
+    ranges.release(b, ALIGNMENT, stream=7, marker=72)
+    ranges.release(c, 2 * ALIGNMENT, stream=9, marker=91)
     offset, pending = ranges.allocate(4 * ALIGNMENT)
     assert offset == 0
-    assert {stream: marker for stream, (_, marker) in pending.items()} == {7: "second on 7", 9: "on 9"}
+    assert pending == {7: 72, 9: 91}
 
 
 def test_split_range_keeps_its_pending_work():
     ranges = RangeAllocator(4 * ALIGNMENT)
-    ranges.release(ranges.allocate(4 * ALIGNMENT)[0], 4 * ALIGNMENT, stream=3, marker="m")
+    ranges.release(ranges.allocate(4 * ALIGNMENT)[0], 4 * ALIGNMENT, stream=3, marker=5)
     first = ranges.allocate(ALIGNMENT)
     second = ranges.allocate(ALIGNMENT)
     assert (first[0], second[0]) == (0, ALIGNMENT)
-    assert first[1] == second[1] and list(first[1]) == [3]
+    assert first[1] == second[1] == {3: 5}
 
 
 def test_random_allocations_never_overlap():
@@ -77,12 +85,88 @@ def test_random_allocations_never_overlap():
                 assert offset + nbytes <= other or other + other_bytes <= offset
             live[offset] = nbytes
     for offset, nbytes in live.items():
-        ranges.release(offset, nbytes, stream=0, marker=None)
+        ranges.release(offset, nbytes, stream=0, marker=-1)
     assert ranges.largest_free() == size
+
+
+class HostRegion:
+    """An OutputRegion over host memory (CPU tensors, no events), with its backing kept alive."""
+
+    def __init__(self, size: int) -> None:
+        self.backing = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
+        base = (self.backing.data_ptr() + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        self.region = OutputRegion(base, size, torch.device("cpu"))
+        self.base, self.size = base, size
+
+    def group(self, specs):
+        return self.region.empty_group(specs, 0)
+
+
+def test_group_tensors_have_their_shapes_dtypes_and_aligned_places():
+    host = HostRegion(64 * ALIGNMENT)
+    specs = [((5, 7), torch.bfloat16), ((5, 3), torch.float32), ((5, 8), torch.int64), ((5,), torch.int32),
+             ((0, 8), torch.int64), ((5, 16), torch.float8_e4m3fn)]
+    tensors = host.group(specs)
+    for tensor, (shape, dtype) in zip(tensors, specs):
+        assert tensor.shape == shape and tensor.dtype == dtype and tensor.device.type == "cpu"
+        assert tensor.is_contiguous()
+        if tensor.numel():
+            assert (tensor.data_ptr() - host.base) % ALIGNMENT == 0
+            assert host.base <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= host.base + host.size
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:])), "tensors of a block overlap"
+    # Real storage: writes through one tensor land in the region's bytes.
+    tensors[3].copy_(torch.arange(5, dtype=torch.int32))
+    offset = tensors[3].data_ptr() - host.backing.data_ptr()
+    assert host.backing[offset:offset + 20].view(torch.int32).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_block_returns_only_when_its_last_tensor_and_views_are_gone():
+    host = HostRegion(8 * ALIGNMENT)
+    rows, meta = host.group([((4, 64), torch.float32), ((4,), torch.int32)])  # 4 + 1 aligned units
+    assert host.region.largest_free_bytes() == 3 * ALIGNMENT
+    view = rows[1:3]
+    del rows
+    gc.collect()
+    assert host.region.largest_free_bytes() == 3 * ALIGNMENT, "a view still holds the block"
+    del meta
+    gc.collect()
+    assert host.region.largest_free_bytes() == 3 * ALIGNMENT
+    del view
+    gc.collect()
+    assert host.region.largest_free_bytes() == 8 * ALIGNMENT
+
+
+def test_full_region_gives_none_and_frees_make_room_again():
+    host = HostRegion(4 * ALIGNMENT)
+    (held,) = host.group([((4 * ALIGNMENT,), torch.uint8)])
+    assert host.group([((1,), torch.uint8)]) is None
+    assert "0 of" in host.region.describe()
+    del held
+    gc.collect()
+    (again,) = host.group([((4 * ALIGNMENT,), torch.uint8)])
+    assert again.numel() == 4 * ALIGNMENT
+
+
+def test_byte_shape():
+    assert byte_shape((3, 7), torch.bfloat16) == [3, 14]
+    assert byte_shape((6,), torch.int32) == [24]
+    assert byte_shape((0, 8), torch.int64) == [0, 64]
 
 
 def test_config_key_dispatch_output_bytes():
     assert as_config({"buffer": {"dispatch_output_bytes": 1 << 20}}).buffer.dispatch_output_bytes == 1 << 20
-    assert as_config({}).buffer.dispatch_output_bytes == 0
+    assert as_config({}).buffer.dispatch_output_bytes == "auto"
+    assert as_config({"buffer": {"dispatch_output_bytes": 0}}).buffer.dispatch_output_bytes == 0
     with pytest.raises(ConfigError, match="dispatch_output_bytes"):
         as_config({"buffer": {"dispatch_output_bytes": -1}})
+
+
+def test_auto_output_region_at_one_and_two_ranks_only():
+    buffer = as_config({"buffer": {"max_hidden": 7168}}).buffer
+    row = 2 * 7168 + 4 * 56 + 12 * tuning.MAX_TOPK + 4
+    assert tuning.output_row_bytes(7168) == row
+    assert tuning.output_region_bytes(buffer, 1) == tuning.output_region_bytes(buffer, 2) == 16384 * row
+    assert tuning.output_region_bytes(buffer, 4) == tuning.output_region_bytes(buffer, 8) == 0
+    fixed = as_config({"buffer": {"dispatch_output_bytes": 12345}}).buffer
+    assert tuning.output_region_bytes(fixed, 8) == 12345

@@ -74,12 +74,16 @@ struct DispatchArgs {
   bool bulk_rows;                   // senders copy rows by bulk copies through shared memory (sm_90 on;
                                     // a build without sm_90 code copies through registers)
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
+  bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
+  bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Every rank's outputs in its NVLink buffer: senders write rows straight into them (no rings);
-// num_channels * 2 blocks, like launch_dispatch.
+// at most num_channels * 2 blocks. When a rank's outputs are not in its region (direct_has_room false
+// there), every rank's kernel ends after the start handshake and flags the fallback: launch the ring
+// dispatch after it with only_after_fallback.
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
 // ---- combine (intranode_combine.cu) -------------------------------------------------------------

@@ -68,9 +68,10 @@ struct Header {
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
   uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
-  // Direct dispatch; words are pack_counter(epoch, 0, ...). Written by rank dst, into this (a sender's) header:
+  // Direct dispatch; words are pack_counter(epoch, count, ...). Written by rank dst, into this (a sender's) header:
   DirectOutputs direct_outputs[kMaxNvlPeers];  // [dst]: where dst's outputs of the call are
-  uint64_t direct_ready[kMaxNvlPeers];         // [dst]: epoch of the call whose outputs those are
+  uint64_t direct_ready[kMaxNvlPeers];         // [dst]: epoch of the call whose outputs those are; count 1 when
+                                               // they are in dst's region, 0 when dst had no room (all fall back)
   // Written by rank src, into this (a destination's) header:
   uint64_t direct_done[kMaxNvlPeers];          // [src]: epoch whose rows src has all written here
   // Local state, touched only by this rank's kernels.
@@ -78,6 +79,7 @@ struct Header {
   uint32_t op_epoch;
   uint32_t blocks_done;
   int32_t error_claim;
+  uint32_t direct_fell_back;  // 1: the last direct dispatch found a rank without room; the ring kernel runs
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
   uint32_t staged_blocks_done;
 };

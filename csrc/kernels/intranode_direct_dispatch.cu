@@ -6,6 +6,9 @@
 // - Each block first tells every rank where this rank's outputs of the call are (direct_outputs,
 //   tagged with the call's epoch), then waits for every rank's word: a rank that publishes has
 //   entered this call, so its outputs are its own for this call.
+// - A rank whose region had no room for its outputs says so in that word. Every rank then sees the
+//   same words, and every rank's kernel ends there and flags the fallback: the ring dispatch launched
+//   after it moves the rows instead (outputs anywhere).
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
 // - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes a contiguous run of
@@ -41,8 +44,9 @@ __device__ __forceinline__ T* output_at(void* base, uint64_t offset) {
 }
 
 // Thread r < R: tells rank r where this rank's outputs are, then waits for rank r's word (rank r
-// has entered the call) and returns its outputs.
-__device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site) {
+// has entered the call) and returns its outputs, and whether they are in rank r's region.
+__device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
+                                        bool& peer_has_room) {
   const int r = threadIdx.x;
   const void* own_base = a.peer_buffers[a.rank];
   Header* peer = header_of(a.peer_buffers, r);
@@ -52,14 +56,16 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
   mine.recv_topk_idx = offset_in(own_base, a.recv_topk_idx);
   mine.recv_topk_weights = offset_in(own_base, a.recv_topk_weights);
   mine.recv_src_idx = offset_in(own_base, a.recv_src_idx);
-  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, 0, false));
+  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, a.direct_has_room ? 1 : 0, false));
 
   Deadline deadline(site);
+  uint64_t ready;
   while (true) {
-    const uint32_t seen = counter_epoch(ld_acquire_sys(&me->direct_ready[r]));
-    if (seen == epoch) break;
-    deadline.check(kWaitPeerOutputs, r, epoch, seen);
+    ready = ld_acquire_sys(&me->direct_ready[r]);
+    if (counter_epoch(ready) == epoch) break;
+    deadline.check(kWaitPeerOutputs, r, epoch, counter_epoch(ready));
   }
+  peer_has_room = counter_count(ready) != 0;
   // NOTE: acquire loads, so that no word of an earlier call's outputs comes from a stale L1 line.
   const DirectOutputs& theirs = me->direct_outputs[r];
   auto word = [](const int64_t& field) { return ld_acquire_sys(reinterpret_cast<const uint64_t*>(&field)); };
@@ -171,8 +177,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   // NOTE: a timeout report's "channel" is the block here.
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
-  if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site);
-  __syncthreads();
+  bool peer_has_room = true;
+  if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room);
+  const bool every_rank_has_room = __syncthreads_and(peer_has_room);
+  // NOTE: read by the ring kernel launched after this one (kernel boundary), which runs on a fallback.
+  if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
+  if (!every_rank_has_room) return;
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
   if (args.bulk_rows) direct_sender<true>(args, outputs, shared);

@@ -304,6 +304,8 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
   extern __shared__ __align__(16) uint8_t shared[];
   Header* me = header_of(args.peer_buffers, args.rank);
+  // The direct dispatch before this launch ran (the usual case): nothing to do.
+  if (args.only_after_fallback && me->direct_fell_back == 0) return;
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;

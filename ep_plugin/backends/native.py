@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, staging_bytes
+from ..tuning import (INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, output_region_bytes,
+                      staging_bytes)
 from ..output_region import OutputRegion
 from .base import Backend, DispatchRoute, GroupInfo
 
@@ -236,7 +237,7 @@ class NativeBackend(Backend):
         elif not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
             # The copy-engine combine's staging area: only for buffers made for normal mode.
             staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
-            output_bytes = 0 if low_latency_mode else settings.buffer.dispatch_output_bytes
+            output_bytes = 0 if low_latency_mode else output_region_bytes(settings.buffer, info.num_ranks)
             self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
                                                 output_bytes)
             peers: List[Optional[Tuple[bytes, int]]] = [None] * info.num_ranks
@@ -410,7 +411,7 @@ class NativeBackend(Backend):
             num_recv, per_rank, per_expert, rows = None, None, [], num_worst_tokens
 
         direct = self._direct_dispatch_possible()
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._recv_outputs(
+        (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), has_room = self._recv_outputs(
             direct, [((rows, x.size(1)), x.dtype),
                      None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
                      ((rows, K), torch.int64),
@@ -418,7 +419,7 @@ class NativeBackend(Backend):
                      ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                               recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                              config, direct_rows=rows if direct else None)
+                              config, direct_rows=rows if direct else None, has_room=has_room)
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
@@ -431,33 +432,35 @@ class NativeBackend(Backend):
         alike: all have the region (same config) and capture graphs together."""
         return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
 
-    def _recv_outputs(self, direct: bool, specs) -> List[Optional[torch.Tensor]]:
+    def _recv_outputs(self, direct: bool, specs) -> Tuple[List[Optional[torch.Tensor]], bool]:
         """The dispatch's outputs for `specs` ((shape, dtype) or None each; the rows and their scales
-        first, then the metadata): in the output region when `direct` (two blocks: the rows go back
-        with recv_x, the metadata with the handle), else ordinary tensors."""
-        if not direct:
-            return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs]
-        outputs: List[Optional[torch.Tensor]] = []
-        for group in (specs[:2], specs[2:]):
-            present = [spec for spec in group if spec is not None]
-            tensors = iter(self._region_group(present) if present else [])
-            outputs.extend(None if spec is None else next(tensors) for spec in group)
-        return outputs
+        first, then the metadata), and whether they are in the output region. They are there when
+        `direct` and the region has room (two blocks: the rows go back with recv_x, the metadata with
+        the handle); else ordinary tensors, and a direct dispatch then falls back to the rings on every
+        rank (the kernels agree on it; no rank raises)."""
+        if direct:
+            stream = self._stream()
+            outputs: List[Optional[torch.Tensor]] = []
+            for group in (specs[:2], specs[2:]):
+                present = [spec for spec in group if spec is not None]
+                tensors = self._outputs.empty_group(present, stream) if present else []
+                if tensors is None:
+                    break
+                tensors = iter(tensors)
+                outputs.extend(None if spec is None else next(tensors) for spec in group)
+            else:
+                return outputs, True
+        return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs], False
 
-    def _region_group(self, specs) -> List[torch.Tensor]:
-        tensors = self._outputs.empty_group(specs)
-        if tensors is None:
-            # NOTE: the peers take the direct path too and will wait for this rank (until timeout_s).
-            nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
-            raise RuntimeError(
-                f"ep_plugin rank {self.info.rank}: the dispatch's output region has no room for {nbytes} bytes "
-                f"({self._outputs.describe()}); outputs of earlier dispatches still alive hold the rest. "
-                "Free them, or raise buffer.dispatch_output_bytes")
-        return tensors
+    def direct_fell_back(self) -> bool:
+        """Whether this rank's last direct dispatch found a rank without room in its output region and
+        moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
+        return self._intranode().direct_fell_back()
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                         config: Config, direct_rows: Optional[int] = None) -> None:
+                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
+        # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
         self.last_dispatch_path = "rings" if direct_rows is None else "direct"
         self._intranode().dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
@@ -469,7 +472,7 @@ class NativeBackend(Backend):
             recv_x_scales=_address(recv_scales), recv_topk_idx=_address(recv_topk_idx),
             recv_topk_weights=_address(recv_topk_weights), recv_src_idx=_address(recv_src_idx),
             num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream(),
-            direct=direct_rows is not None, num_recv_rows=direct_rows or 0)
+            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room)
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
@@ -477,11 +480,11 @@ class NativeBackend(Backend):
         self._check_sms(config)
         rows = handle.num_recv_rows
         direct = self._direct_dispatch_possible()
-        recv_x, recv_scales = self._recv_outputs(
+        (recv_x, recv_scales), has_room = self._recv_outputs(
             direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
         self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
                               handle.num_worst_tokens, handle.num_recv_device, config,
-                              direct_rows=rows if direct else None)
+                              direct_rows=rows if direct else None, has_room=has_room)
         return recv_x, recv_scales
 
     def combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
