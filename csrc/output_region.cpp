@@ -6,14 +6,22 @@
 namespace ep_plugin {
 
 ReleaseEvent::ReleaseEvent(int device, cudaStream_t stream) {
-  // NOTE: a tensor may die on any thread; the event must be created on the stream's device.
+  // NOTE: a tensor may die on any thread (the event must be made on the stream's device), and inside
+  // torch's storage destructor, where nothing may throw: on a CUDA error (the runtime unloading at exit)
+  // the block is released without an event.
   int current = 0;
-  CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) CUDA_CHECK(cudaSetDevice(device));
-  const cudaError_t created = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  const cudaError_t recorded = created == cudaSuccess ? cudaEventRecord(event, stream) : created;
-  if (current != device) CUDA_CHECK(cudaSetDevice(current));
-  CUDA_CHECK(recorded);
+  if (cudaGetDevice(&current) != cudaSuccess || (current != device && cudaSetDevice(device) != cudaSuccess)) {
+    (void)cudaGetLastError();
+    return;
+  }
+  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+    event = nullptr;
+  } else if (cudaEventRecord(event, stream) != cudaSuccess) {
+    (void)cudaEventDestroy(event);
+    event = nullptr;
+  }
+  if (current != device) (void)cudaSetDevice(current);
+  (void)cudaGetLastError();
 }
 
 ReleaseEvent::~ReleaseEvent() {
@@ -28,6 +36,7 @@ OutputRegionAllocator::OutputRegionAllocator(uintptr_t address, int64_t size, in
 
 std::optional<std::vector<OutputRegionAllocator::Tensor>> OutputRegionAllocator::allocate(
     const std::vector<std::vector<int64_t>>& byte_shapes, uintptr_t stream) {
+  EP_CHECK_ARG(!byte_shapes.empty(), "an output block needs at least one tensor");
   std::vector<int64_t> starts;
   int64_t nbytes = 0;
   for (const auto& shape : byte_shapes) {
@@ -44,7 +53,7 @@ std::optional<std::vector<OutputRegionAllocator::Tensor>> OutputRegionAllocator:
   if (!found) return std::nullopt;
   if (device_ >= 0) {
     for (const auto& [other, pending] : found->pending)
-      if (other != stream)
+      if (other != stream && pending.marker && pending.marker->event != nullptr)
         CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), pending.marker->event, 0));
   }
   blocks_[found->offset] = Block{nbytes, static_cast<int>(byte_shapes.size()), stream};

@@ -107,7 +107,8 @@ class RegionRanges {
   std::map<int64_t, FreeRange> free_;  // by offset
 };
 
-// A CUDA event recorded at a release (destroyed with the last range that remembers it).
+// A CUDA event recorded at a release (destroyed with the last range that remembers it); `event` stays
+// null where CUDA failed (never throws).
 struct ReleaseEvent {
   ReleaseEvent(int device, cudaStream_t stream);
   ~ReleaseEvent();

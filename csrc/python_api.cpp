@@ -169,9 +169,13 @@ struct RegionTensorOwner {
   int64_t block_offset;
 };
 
-void release_region_tensor(dlpack::ManagedTensor* managed) {
+// NOTE: runs inside torch's storage destructor: nothing may escape it.
+void release_region_tensor(dlpack::ManagedTensor* managed) noexcept {
   auto* owner = static_cast<RegionTensorOwner*>(managed->manager_ctx);
-  owner->region->release_tensor(owner->block_offset);
+  try {
+    owner->region->release_tensor(owner->block_offset);
+  } catch (...) {  // the block stays taken; the region is going away with the process
+  }
   delete owner;
 }
 
