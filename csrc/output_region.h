@@ -117,7 +117,7 @@ struct ReleaseEvent {
 
 // The region at `address` (`size` bytes) of CUDA device `device`, or of host memory with device -1
 // (tests: no events, CPU tensors).
-class OutputRegionAllocator : public std::enable_shared_from_this<OutputRegionAllocator> {
+class OutputRegionAllocator {
  public:
   struct Tensor {
     void* data;

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from ep_plugin import Buffer, Config
+from ep_plugin.config import as_config
+from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
 from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, missing_peer_scenario,
                             multi_gpu_ranks, needs_ranks, poison_allocator, run_case)
@@ -60,9 +62,8 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes)
-    # `auto`: a region at 1 and 2 ranks, where the direct dispatch has run on GPUs.
-    direct = dispatch_output_bytes == "auto" and R <= 2 or dispatch_output_bytes not in ("auto", 0)
-    expect_dispatch_path = "direct" if direct else "rings"
+    settings = as_config({"buffer": {"dispatch_output_bytes": dispatch_output_bytes}}).buffer
+    expect_dispatch_path = "direct" if output_region_bytes(settings, R) > 0 else "rings"
     if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
         expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
     assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows

@@ -440,17 +440,23 @@ class NativeBackend(Backend):
         rank (the kernels agree on it; no rank raises)."""
         if direct:
             stream = self._stream()
-            outputs: List[Optional[torch.Tensor]] = []
-            for group in (specs[:2], specs[2:]):
-                present = [spec for spec in group if spec is not None]
-                tensors = self._outputs.empty_group(present, stream) if present else []
-                if tensors is None:
-                    break
-                tensors = iter(tensors)
-                outputs.extend(None if spec is None else next(tensors) for spec in group)
-            else:
-                return outputs, True
+            rows = self._region_outputs(specs[:2], stream)
+            metadata = self._region_outputs(specs[2:], stream) if rows is not None else None
+            if metadata is not None:
+                return rows + metadata, True
         return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs], False
+
+    def _region_outputs(self, specs, stream: int) -> Optional[List[Optional[torch.Tensor]]]:
+        """Tensors for `specs` (None entries stay None) in one block of the output region, or None
+        when it has no room."""
+        present = [spec for spec in specs if spec is not None]
+        if not present:
+            return [None] * len(specs)
+        tensors = self._outputs.empty_group(present, stream)
+        if tensors is None:
+            return None
+        found = iter(tensors)
+        return [None if spec is None else next(found) for spec in specs]
 
     def direct_fell_back(self) -> bool:
         """Whether this rank's last direct dispatch found a rank without room in its output region and
