@@ -76,6 +76,8 @@ struct DispatchArgs {
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
+  int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
+  int direct_diagnostics;           // direct dispatch: kDirectDiag* bits (diagnostic runs; 0 by default)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
@@ -85,6 +87,11 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // there), every rank's kernel ends after the start handshake and flags the fallback: launch the ring
 // dispatch after it with only_after_fallback.
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// Diagnostic bits of EP_PLUGIN_DIRECT_DIAG (wrong outputs on purpose: bench with --no-check only).
+constexpr int kDirectDiagNoMetadata = 1;  // no scale or top-k stores
+constexpr int kDirectDiagNoRelaunch = 2;  // no ring kernel launched after the direct one
+constexpr int kDirectDiagNoOwnRows = 4;   // rows are not written to this rank
+constexpr int kDirectDiagNoPeerRows = 8;  // rows are not written to peers
 
 // ---- combine (intranode_combine.cu) -------------------------------------------------------------
 struct CombineArgs {

@@ -18,6 +18,7 @@
 #include "buffer_layout.cuh"
 #include "dispatch_rows.cuh"
 #include "intranode_common.cuh"
+#include "intranode_profile.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -76,27 +77,94 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
                      output_at<int32_t>(base, word(theirs.recv_src_idx))};
 }
 
+// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunks w and W + w,
+// and takes each later chunk from a counter (chunks 2W, 2W + 1, ...), so that the warps of faster SMs
+// take more: with fixed shares, blocks finished up to 25% apart (eighteenth session). Without, warp w
+// has the one chunk w. Rows go in order; row k is row k - first_row_ of the current chunk, and the
+// next chunk is known to every lane, so the loader and the position prefetch see one chunk ahead.
+class ClaimedTokens {
+ public:
+  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims)
+      : counter_(claims ? counter : nullptr),
+        num_warps_(num_warps),
+        chunk_(chunk),
+        num_tokens_(num_tokens),
+        current_(warp_index * chunk),
+        next_(claims ? (num_warps + warp_index) * chunk : num_tokens),
+        pending_(claim()) {}
+
+  // Every lane, as row k starts (k = 0, 1, ...): whether the warp has a row k.
+  __device__ bool begin_row(int k) {
+    if (k == first_row_ + chunk_) {
+      first_row_ = k;
+      current_ = next_;
+      // NOTE: the claim was issued a chunk ago; its value is here by now.
+      next_ = shfl(pending_, 0);
+      pending_ = claim();
+    }
+    return token_or_end(k) < num_tokens_;
+  }
+  // The token of row k (begun).
+  __device__ int token(int k) const { return current_ + (k - first_row_); }
+  // The token of row k >= the current row if known (this chunk or the next), else -1. Any lane.
+  __device__ int lookahead(int k) const {
+    const int t = token_or_end(k);
+    return t < num_tokens_ ? t : -1;
+  }
+
+ private:
+  __device__ int token_or_end(int k) const {
+    const int offset = k - first_row_;
+    if (offset < chunk_) return current_ + offset;
+    if (offset < 2 * chunk_ && current_ + chunk_ <= num_tokens_) return next_ + offset - chunk_;
+    return num_tokens_;
+  }
+  // Lane 0: the first token of a newly claimed chunk (num_tokens once past the end); others: 0.
+  __device__ int claim() const {
+    if (counter_ == nullptr || lane_id() != 0) return counter_ == nullptr ? num_tokens_ : 0;
+    const int64_t first = (static_cast<int64_t>(atomicAdd(counter_, 1u)) + 2 * num_warps_) * chunk_;
+    return first < num_tokens_ ? static_cast<int>(first) : num_tokens_;
+  }
+
+  uint32_t* counter_;
+  int num_warps_, chunk_, num_tokens_;
+  int first_row_ = 0;     // the warp's row index of the current chunk's first token
+  int current_, next_;    // first tokens of the current and the next chunk (num_tokens: none)
+  int pending_;           // lane 0: the chunk after the next, claimed when the current one began
+};
+
 template <bool kBulk>
-__device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], uint8_t* shared) {
+__device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], Header* me,
+                              uint8_t* shared) {
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
-  // Lane r writes rank r's rows; each warp takes a contiguous run of tokens.
-  int token_begin, token_end;
-  channel_token_range(a.num_tokens, gridDim.x * kWarpsPerChannel, blockIdx.x * kWarpsPerChannel + warp, token_begin,
-                      token_end);
-  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin, 1, token_end);
+  const int num_warps = gridDim.x * kWarpsPerChannel;
+  // Lane r writes rank r's rows.
+  const bool claims = a.direct_chunk_tokens > 0;
+  const int chunk = claims ? a.direct_chunk_tokens : (a.num_tokens + num_warps - 1) / num_warps;
+  ClaimedTokens tokens(&me->direct_next_chunk, blockIdx.x * kWarpsPerChannel + warp, num_warps, chunk, a.num_tokens,
+                       claims);
+  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
-  // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
-  auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
-  int next_pos = load_pos(token_begin);
-  for (int t = token_begin; t < token_end; ++t) {
+  // Diagnostic runs may leave out this rank's rows or the peers' (EP_PLUGIN_DIRECT_DIAG).
+  // (only the rows, not their metadata: the combine after such a run still finds valid source indices).
+  const bool lane_writes_rows = !(a.direct_diagnostics & (lane == a.rank ? kDirectDiagNoOwnRows : kDirectDiagNoPeerRows));
+  const bool writes_metadata = !(a.direct_diagnostics & kDirectDiagNoMetadata);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long sender_start = clock64();
+  long long metadata_cycles = 0;
+#endif
+  // NOTE: the next token's positions are loaded one row ahead; the loop is latency-bound.
+  auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  int next_pos = load_pos(tokens.lookahead(0));
+  for (int k = 0; tokens.begin_row(k); ++k) {
+    const int t = tokens.token(k);
     const int pos = next_pos;
-    next_pos = load_pos(t + 1);
+    next_pos = load_pos(tokens.lookahead(k + 1));
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
-    const int k = t - token_begin;
     if (dst_mask == 0) {
-      rows.skip(k);
+      rows.skip(k, tokens);
       continue;
     }
     // Issue the top-k and scale loads before the row copy, which does not depend on them.
@@ -116,8 +184,14 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
       row_of[r] = shfl(pos, r);
       dst[r] = r < R && (dst_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
     }
-    uint8_t* const lane_dst = pos < 0 ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
-    rows.copy(a, t, k, dst, lane_dst);
+    uint8_t* const lane_dst =
+        pos < 0 || !lane_writes_rows ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
+    rows.copy(a, t, k, dst, lane_dst, tokens);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+    const long long metadata_start = clock64();
+#endif
+    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
+    if (!writes_metadata) continue;
 
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
 #pragma unroll
@@ -135,9 +209,27 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
         if (outputs[r].topk_weights != nullptr) outputs[r].topk_weights[at] = local_id >= 0 ? weight : 0.f;
       }
     }
-    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+    metadata_cycles += clock64() - metadata_start;
+#endif
   }
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long drain_start = clock64();
+#endif
   rows.complete();
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long end = clock64();
+  if (lane == 0) {
+    direct_add_cycles(kCyclesSender, end - sender_start);
+    direct_add_cycles(kCyclesMetadata, metadata_cycles);
+    direct_add_cycles(kCyclesDrain, end - drain_start);
+  }
+  if constexpr (kBulk) {
+    if (lane == 0) direct_add_cycles(kCyclesLoadWait, rows.rows.load_wait_cycles);
+    if (lane == a.rank) direct_add_cycles(kCyclesOwnStoreWait, rows.rows.store_wait_cycles);
+    if (lane == (a.rank + 1) % R) direct_add_cycles(kCyclesPeerStoreWait, rows.rows.store_wait_cycles);
+  }
+#endif
 }
 
 // After every block's writes: the last block out tells each rank that this rank's rows are all
@@ -153,6 +245,7 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   __threadfence_system();
   if (atomicAdd(&me->blocks_done, 1u) + 1u != gridDim.x) return;
   me->blocks_done = 0;
+  me->direct_next_chunk = 0;  // every warp has made its last claim
   __threadfence_system();
   for (int r = 0; r < a.num_ranks; ++r)
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
@@ -178,18 +271,31 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
   bool peer_has_room = true;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  direct_mark(kMarkStart);
+#endif
   if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room);
   const bool every_rank_has_room = __syncthreads_and(peer_has_room);
   // NOTE: read by the ring kernel launched after this one (kernel boundary), which runs on a fallback.
   if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
   if (!every_rank_has_room) return;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  direct_mark(kMarkExchanged);
+#endif
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
-  if (args.bulk_rows) direct_sender<true>(args, outputs, shared);
+  if (args.bulk_rows) direct_sender<true>(args, outputs, me, shared);
   else
 #endif
-    direct_sender<false>(args, outputs, shared);
+    direct_sender<false>(args, outputs, me, shared);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  __syncthreads();
+  direct_mark(kMarkRowsWritten);
+#endif
   finish_direct(args, me, epoch, site);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  report_direct_phases(args.rank, args.num_tokens, args.row_bytes, args.topk_idx == nullptr);
+#endif
 }
 
 }  // namespace

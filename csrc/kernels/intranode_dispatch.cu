@@ -33,7 +33,9 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   const int R = a.num_ranks;
   int token_begin, token_end;
   channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
-  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin + warp, kWarpsPerChannel, token_end);
+  // Warp w takes every kWarpsPerChannel-th token of the channel's chunk, from its w-th.
+  const StridedTokens tokens{token_begin + warp, kWarpsPerChannel, token_end};
+  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
   // Lane r drives the sub-ring towards rank r.
   const bool owns_ring = lane < R && lane != a.rank;
@@ -61,7 +63,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     const int round = (t - token_begin - warp) / kWarpsPerChannel;
     if (dst_mask == 0) {
-      rows.skip(round);
+      rows.skip(round, tokens);
       continue;
     }
     // Issue the top-k loads before the row copy, which does not depend on them.
@@ -112,7 +114,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     uint8_t* const lane_dst = pos < 0 || lane >= R ? nullptr
                               : lane == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes
                                                : slot + kSlotPayloadOffset;
-    rows.copy(a, t, round, dst, lane_dst);
+    rows.copy(a, t, round, dst, lane_dst, tokens);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
