@@ -45,6 +45,7 @@ class IntranodeRuntime {
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
   int64_t staging_bytes() const { return staging_bytes_; }
   bool dispatch_bulk_rows() const { return dispatch_bulk_rows_; }
+  int direct_chunk_tokens() const { return direct_chunk_tokens_; }
   // The output region: its first byte's device address here, and its size.
   uintptr_t output_region_address() const;
   int64_t output_region_bytes() const { return output_bytes_; }

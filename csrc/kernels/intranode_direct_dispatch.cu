@@ -8,7 +8,7 @@
 //   entered this call, so its outputs are its own for this call.
 // - A rank whose region had no room for its outputs says so in that word. Every rank then sees the
 //   same words, and every rank's kernel ends there and flags the fallback: the ring dispatch launched
-//   after it moves the rows instead (outputs anywhere).
+//   after it moves the rows instead (outputs anywhere). That launch overlaps this kernel's end.
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
 // - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes a contiguous run of
@@ -241,6 +241,8 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   fence_proxy_async();
 #endif
   __syncthreads();
+  // The ring kernel launched after this one (it only checks direct_fell_back) may start now.
+  launch_dependents();
   if (threadIdx.x != 0) return;
   __threadfence_system();
   if (atomicAdd(&me->blocks_done, 1u) + 1u != gridDim.x) return;
