@@ -115,6 +115,11 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
                  "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
   }
+  if (const char* ahead = std::getenv("EP_PLUGIN_DIRECT_CLAIM_AHEAD")) {
+    EP_CHECK_ARG(std::sscanf(ahead, "%d", &direct_claim_ahead_) == 1 && direct_claim_ahead_ >= 0 &&
+                     direct_claim_ahead_ <= 2,
+                 "EP_PLUGIN_DIRECT_CLAIM_AHEAD must be 0, 1 or 2, got " << ahead);
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -231,6 +236,7 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_max_blocks = direct_max_blocks_;
   args.direct_chunk_tokens = direct_chunk_tokens_;
+  args.direct_claim_ahead = direct_claim_ahead_;
   args.direct_diagnostics = direct_diagnostics_;
 }
 

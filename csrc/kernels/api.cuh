@@ -77,6 +77,7 @@ struct DispatchArgs {
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
+  int direct_claim_ahead;           // direct dispatch: chunks a warp claims before it needs them (0 to 2)
   int direct_diagnostics;           // direct dispatch: kDirectDiag* bits (diagnostic runs; 0 by default)
   DeviceStatus* status;
   uint64_t timeout_ns;

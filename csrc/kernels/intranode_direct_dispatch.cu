@@ -77,60 +77,75 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
                      output_at<int32_t>(base, word(theirs.recv_src_idx))};
 }
 
-// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunks w and W + w,
-// and takes each later chunk from a counter (chunks 2W, 2W + 1, ...), so that the warps of faster SMs
-// take more: with fixed shares, blocks finished up to 25% apart (eighteenth session). Without, warp w
-// has the one chunk w. Rows go in order; row k is row k - first_row_ of the current chunk, and the
-// next chunk is known to every lane, so the loader and the position prefetch see one chunk ahead.
+// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunk w and takes
+// each later chunk from a counter (chunks W, W + 1, ...), so that the warps of faster SMs take more:
+// with fixed shares, blocks finished up to 25% apart (eighteenth session). Without, warp w has the one
+// chunk w. A warp claims `ahead` chunks (0 to 2) before it needs them, so that its loader sees the next
+// rows; every chunk claimed ahead is work that a warp which runs out first cannot take.
+// Rows go in order; row k is row k - first_row_ of the current chunk.
 class ClaimedTokens {
  public:
-  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims)
+  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims,
+                           int ahead)
       : counter_(claims ? counter : nullptr),
         num_warps_(num_warps),
         chunk_(chunk),
         num_tokens_(num_tokens),
-        current_(warp_index * chunk),
-        next_(claims ? (num_warps + warp_index) * chunk : num_tokens),
-        pending_(claim()) {}
+        ahead_(claims ? ahead : 0),
+        current_(warp_index * chunk) {
+    if (ahead_ >= 1) next_ = claim();
+    if (ahead_ == 2) next_ = shfl(next_, 0), pending_ = claim();
+  }
 
   // Every lane, as row k starts (k = 0, 1, ...): whether the warp has a row k.
   __device__ bool begin_row(int k) {
     if (k == first_row_ + chunk_) {
       first_row_ = k;
-      current_ = next_;
-      // NOTE: the claim was issued a chunk ago; its value is here by now.
-      next_ = shfl(pending_, 0);
-      pending_ = claim();
+      // NOTE: a claim made a chunk ago is back by now; only ahead 0 waits for its claim here.
+      if (ahead_ == 0) {
+        current_ = shfl(claim(), 0);
+      } else if (ahead_ == 1) {
+        current_ = shfl(next_, 0);
+        next_ = current_ < num_tokens_ ? claim() : num_tokens_;
+      } else {
+        current_ = next_;
+        next_ = shfl(pending_, 0);
+        pending_ = next_ < num_tokens_ ? claim() : num_tokens_;
+      }
     }
-    return token_or_end(k) < num_tokens_;
+    return current_ + (k - first_row_) < num_tokens_;
   }
   // The token of row k (begun).
   __device__ int token(int k) const { return current_ + (k - first_row_); }
-  // The token of row k >= the current row if known (this chunk or the next), else -1. Any lane.
-  __device__ int lookahead(int k) const {
-    const int t = token_or_end(k);
-    return t < num_tokens_ ? t : -1;
+  // Lane 0 (the loader): the token of row k >= the current row if known, else -1.
+  __device__ int lookahead(int k) const { return or_none(token_or_end(k, next_)); }
+  // Every lane: the token of row k + 1 after the current row k if known, else -1.
+  __device__ int known_next(int k) const {
+    const int next = ahead_ == 1 ? shfl(next_, 0) : next_;
+    return or_none(token_or_end(k + 1, next));
   }
 
  private:
-  __device__ int token_or_end(int k) const {
+  __device__ int or_none(int t) const { return t < num_tokens_ ? t : -1; }
+  __device__ int token_or_end(int k, int next) const {
     const int offset = k - first_row_;
     if (offset < chunk_) return current_ + offset;
-    if (offset < 2 * chunk_ && current_ + chunk_ <= num_tokens_) return next_ + offset - chunk_;
+    if (offset < 2 * chunk_ && ahead_ >= 1 && current_ + chunk_ <= num_tokens_) return next + offset - chunk_;
     return num_tokens_;
   }
   // Lane 0: the first token of a newly claimed chunk (num_tokens once past the end); others: 0.
   __device__ int claim() const {
-    if (counter_ == nullptr || lane_id() != 0) return counter_ == nullptr ? num_tokens_ : 0;
-    const int64_t first = (static_cast<int64_t>(atomicAdd(counter_, 1u)) + 2 * num_warps_) * chunk_;
+    if (counter_ == nullptr) return num_tokens_;
+    if (lane_id() != 0) return 0;
+    const int64_t first = (static_cast<int64_t>(atomicAdd(counter_, 1u)) + num_warps_) * chunk_;
     return first < num_tokens_ ? static_cast<int>(first) : num_tokens_;
   }
 
   uint32_t* counter_;
-  int num_warps_, chunk_, num_tokens_;
-  int first_row_ = 0;     // the warp's row index of the current chunk's first token
-  int current_, next_;    // first tokens of the current and the next chunk (num_tokens: none)
-  int pending_;           // lane 0: the chunk after the next, claimed when the current one began
+  int num_warps_, chunk_, num_tokens_, ahead_;
+  int first_row_ = 0;           // the warp's row index of the current chunk's first token
+  int current_;                 // first token of the current chunk (num_tokens: none)
+  int next_ = 0, pending_ = 0;  // the chunks claimed ahead (ahead 1: lane 0 only, until begin_row's shfl)
 };
 
 template <bool kBulk>
@@ -144,7 +159,7 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   const bool claims = a.direct_chunk_tokens > 0;
   const int chunk = claims ? a.direct_chunk_tokens : (a.num_tokens + num_warps - 1) / num_warps;
   ClaimedTokens tokens(&me->direct_next_chunk, blockIdx.x * kWarpsPerChannel + warp, num_warps, chunk, a.num_tokens,
-                       claims);
+                       claims, a.direct_claim_ahead);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
   // Diagnostic runs may leave out this rank's rows or the peers' (EP_PLUGIN_DIRECT_DIAG).
@@ -155,16 +170,17 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   const long long sender_start = clock64();
   long long metadata_cycles = 0;
 #endif
-  // NOTE: the next token's positions are loaded one row ahead; the loop is latency-bound.
+  // NOTE: the next row's positions are loaded during this row, once its token is known.
   auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
-  int next_pos = load_pos(tokens.lookahead(0));
+  int prefetched_token = -1, prefetched_pos = -1;
   for (int k = 0; tokens.begin_row(k); ++k) {
     const int t = tokens.token(k);
-    const int pos = next_pos;
-    next_pos = load_pos(tokens.lookahead(k + 1));
+    const int pos = t == prefetched_token ? prefetched_pos : load_pos(t);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dst_mask == 0) {
       rows.skip(k, tokens);
+      prefetched_token = tokens.known_next(k);
+      prefetched_pos = load_pos(prefetched_token);
       continue;
     }
     // Issue the top-k and scale loads before the row copy, which does not depend on them.
@@ -187,6 +203,9 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
     uint8_t* const lane_dst =
         pos < 0 || !lane_writes_rows ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
     rows.copy(a, t, k, dst, lane_dst, tokens);
+    // NOTE: after the copy, so that a chunk claimed at this row's start is back.
+    prefetched_token = tokens.known_next(k);
+    prefetched_pos = load_pos(prefetched_token);
 #ifdef EP_PLUGIN_PHASE_PROFILE
     const long long metadata_start = clock64();
 #endif
