@@ -110,15 +110,9 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
                  "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
   }
-  if (const char* diag = std::getenv("EP_PLUGIN_DIRECT_DIAG")) direct_diagnostics_ = std::atoi(diag);
   if (const char* chunk = std::getenv("EP_PLUGIN_DIRECT_CHUNK")) {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
                  "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
-  }
-  if (const char* ahead = std::getenv("EP_PLUGIN_DIRECT_CLAIM_AHEAD")) {
-    EP_CHECK_ARG(std::sscanf(ahead, "%d", &direct_claim_ahead_) == 1 && direct_claim_ahead_ >= 0 &&
-                     direct_claim_ahead_ <= 2,
-                 "EP_PLUGIN_DIRECT_CLAIM_AHEAD must be 0, 1 or 2, got " << ahead);
   }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
@@ -236,8 +230,6 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_max_blocks = direct_max_blocks_;
   args.direct_chunk_tokens = direct_chunk_tokens_;
-  args.direct_claim_ahead = direct_claim_ahead_;
-  args.direct_diagnostics = direct_diagnostics_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
@@ -284,9 +276,10 @@ void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
     require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
   }
   intranode::launch_direct_dispatch(args, stream);
-  // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header).
+  // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header);
+  // launched as a programmatic dependent, it overlaps the direct kernel's end.
   args.only_after_fallback = true;
-  if (!(args.direct_diagnostics & intranode::kDirectDiagNoRelaunch)) intranode::launch_dispatch(args, stream);
+  intranode::launch_dispatch(args, stream);
 }
 
 bool IntranodeRuntime::direct_fell_back() const {

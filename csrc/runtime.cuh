@@ -119,8 +119,6 @@ class IntranodeRuntime {
   // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
   int direct_max_blocks_ = 16;
   int direct_chunk_tokens_ = 1;  // EP_PLUGIN_DIRECT_CHUNK: tokens per claimed chunk (0: fixed shares)
-  int direct_claim_ahead_ = 1;   // EP_PLUGIN_DIRECT_CLAIM_AHEAD: chunks claimed before they are needed
-  int direct_diagnostics_ = 0;  // EP_PLUGIN_DIRECT_DIAG (diagnostic bits, intranode::kDirectDiag*)
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

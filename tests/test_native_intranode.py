@@ -146,27 +146,24 @@ def test_cases_multi_rank_direct_outputs():
     assert parallel_launch(RANKS, direct_cases_rank, names) == [names] * RANKS
 
 
-# The direct dispatch's warps claim chunks of tokens (EP_PLUGIN_DIRECT_CHUNK, default 1), each warp
-# some chunks before it needs them (EP_PLUGIN_DIRECT_CLAIM_AHEAD, default 1): chunks of 3 leave a
-# partial last chunk and warps without tokens in the small cases; chunk 0 gives each warp a fixed
+# The direct dispatch's warps claim chunks of tokens (EP_PLUGIN_DIRECT_CHUNK, default 1): chunks of 3
+# leave a partial last chunk and warps without tokens in the small cases; 0 gives each warp a fixed
 # share. Set in the spawned ranks' environment.
 CHUNK_CASES = ("hidden7168", "fp8_hidden1536", "topk9", "routing_one_rank", "empty_rank", "large", "num_worst", "sms2",
                "sms48")
 
 
-def direct_chunk_cases_rank(rank: int, R: int, group, names, chunk_tokens, claim_ahead) -> list:
+def direct_chunk_cases_rank(rank: int, R: int, group, names, chunk_tokens) -> list:
     os.environ["EP_PLUGIN_DIRECT_CHUNK"] = str(chunk_tokens)  # read when the native Buffer is created
-    os.environ["EP_PLUGIN_DIRECT_CLAIM_AHEAD"] = str(claim_ahead)
     return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES, expect_chunk_tokens=chunk_tokens)
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("chunk_tokens,claim_ahead", [(3, 1), (1, 0), (3, 2), (0, 1)],
-                         ids=["chunks_of_3", "claims_when_needed", "chunks_of_3_two_ahead", "fixed_shares"])
-def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens, claim_ahead):
+@pytest.mark.parametrize("chunk_tokens", [3, 0], ids=["chunks_of_3", "fixed_shares"])
+def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens):
     in_order = [c["name"] for c in CASES if c["name"] in CHUNK_CASES]
     assert sorted(in_order) == sorted(CHUNK_CASES)
-    assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, chunk_tokens, claim_ahead) == [in_order] * RANKS
+    assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, chunk_tokens) == [in_order] * RANKS
 
 
 @needs_ranks(RANKS)

@@ -77,8 +77,6 @@ struct DispatchArgs {
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
-  int direct_claim_ahead;           // direct dispatch: chunks a warp claims before it needs them (0 to 2)
-  int direct_diagnostics;           // direct dispatch: kDirectDiag* bits (diagnostic runs; 0 by default)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
@@ -86,13 +84,9 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Every rank's outputs in its NVLink buffer: senders write rows straight into them (no rings);
 // at most num_channels * 2 blocks. When a rank's outputs are not in its region (direct_has_room false
 // there), every rank's kernel ends after the start handshake and flags the fallback: launch the ring
-// dispatch after it with only_after_fallback.
+// dispatch after it with only_after_fallback (a programmatic dependent launch, which overlaps the
+// direct kernel's end).
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream);
-// Diagnostic bits of EP_PLUGIN_DIRECT_DIAG (wrong outputs on purpose: bench with --no-check only).
-constexpr int kDirectDiagNoMetadata = 1;  // no scale or top-k stores
-constexpr int kDirectDiagNoRelaunch = 2;  // no ring kernel launched after the direct one
-constexpr int kDirectDiagNoOwnRows = 4;   // rows are not written to this rank
-constexpr int kDirectDiagNoPeerRows = 8;  // rows are not written to peers
 
 // ---- combine (intranode_combine.cu) -------------------------------------------------------------
 struct CombineArgs {

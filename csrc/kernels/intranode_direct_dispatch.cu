@@ -11,8 +11,9 @@
 //   after it moves the rows instead (outputs anywhere). That launch overlaps this kernel's end.
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
-// - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes a contiguous run of
-//   tokens and writes each row to every rank that has it, this rank included.
+// - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes chunks of tokens, one at
+//   a time from a counter (ClaimedTokens), and writes each row to every rank that has it, this rank
+//   included.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -77,62 +78,38 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
                      output_at<int32_t>(base, word(theirs.recv_src_idx))};
 }
 
-// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunk w and takes
-// each later chunk from a counter (chunks W, W + 1, ...), so that the warps of faster SMs take more:
-// with fixed shares, blocks finished up to 25% apart (eighteenth session). Without, warp w has the one
-// chunk w. A warp claims `ahead` chunks (0 to 2) before it needs them, so that its loader sees the next
-// rows; every chunk claimed ahead is work that a warp which runs out first cannot take.
-// Rows go in order; row k is row k - first_row_ of the current chunk.
+// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunk w and, each
+// time its chunk is done, claims the next one from a counter (chunks W, W + 1, ...), so that the warps
+// of faster SMs take more: with fixed shares, blocks finished up to 25% apart (eighteenth session). A
+// warp claims a chunk only when it needs one: a chunk claimed ahead is work that a warp which runs out
+// first cannot take (claiming one or two ahead measured 1-2% slower). Without claims, warp w has the
+// one chunk w. Rows go in order; row k is row k - first_row_ of the current chunk.
 class ClaimedTokens {
  public:
-  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims,
-                           int ahead)
+  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims)
       : counter_(claims ? counter : nullptr),
         num_warps_(num_warps),
         chunk_(chunk),
         num_tokens_(num_tokens),
-        ahead_(claims ? ahead : 0),
-        current_(warp_index * chunk) {
-    if (ahead_ >= 1) next_ = claim();
-    if (ahead_ == 2) next_ = shfl(next_, 0), pending_ = claim();
-  }
+        current_(warp_index * chunk) {}
 
   // Every lane, as row k starts (k = 0, 1, ...): whether the warp has a row k.
   __device__ bool begin_row(int k) {
     if (k == first_row_ + chunk_) {
       first_row_ = k;
-      // NOTE: a claim made a chunk ago is back by now; only ahead 0 waits for its claim here.
-      if (ahead_ == 0) {
-        current_ = shfl(claim(), 0);
-      } else if (ahead_ == 1) {
-        current_ = shfl(next_, 0);
-        next_ = current_ < num_tokens_ ? claim() : num_tokens_;
-      } else {
-        current_ = next_;
-        next_ = shfl(pending_, 0);
-        pending_ = next_ < num_tokens_ ? claim() : num_tokens_;
-      }
+      current_ = shfl(claim(), 0);
     }
     return current_ + (k - first_row_) < num_tokens_;
   }
   // The token of row k (begun).
   __device__ int token(int k) const { return current_ + (k - first_row_); }
-  // Lane 0 (the loader): the token of row k >= the current row if known, else -1.
-  __device__ int lookahead(int k) const { return or_none(token_or_end(k, next_)); }
-  // Every lane: the token of row k + 1 after the current row k if known, else -1.
-  __device__ int known_next(int k) const {
-    const int next = ahead_ == 1 ? shfl(next_, 0) : next_;
-    return or_none(token_or_end(k + 1, next));
+  // The token of row k >= the current row if it is in the current chunk, else -1. Any lane.
+  __device__ int lookahead(int k) const {
+    const int offset = k - first_row_;
+    return offset < chunk_ && current_ + offset < num_tokens_ ? current_ + offset : -1;
   }
 
  private:
-  __device__ int or_none(int t) const { return t < num_tokens_ ? t : -1; }
-  __device__ int token_or_end(int k, int next) const {
-    const int offset = k - first_row_;
-    if (offset < chunk_) return current_ + offset;
-    if (offset < 2 * chunk_ && ahead_ >= 1 && current_ + chunk_ <= num_tokens_) return next + offset - chunk_;
-    return num_tokens_;
-  }
   // Lane 0: the first token of a newly claimed chunk (num_tokens once past the end); others: 0.
   __device__ int claim() const {
     if (counter_ == nullptr) return num_tokens_;
@@ -142,10 +119,9 @@ class ClaimedTokens {
   }
 
   uint32_t* counter_;
-  int num_warps_, chunk_, num_tokens_, ahead_;
-  int first_row_ = 0;           // the warp's row index of the current chunk's first token
-  int current_;                 // first token of the current chunk (num_tokens: none)
-  int next_ = 0, pending_ = 0;  // the chunks claimed ahead (ahead 1: lane 0 only, until begin_row's shfl)
+  int num_warps_, chunk_, num_tokens_;
+  int first_row_ = 0;  // the warp's row index of the current chunk's first token
+  int current_;        // first token of the current chunk (num_tokens: none)
 };
 
 template <bool kBulk>
@@ -159,18 +135,14 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   const bool claims = a.direct_chunk_tokens > 0;
   const int chunk = claims ? a.direct_chunk_tokens : (a.num_tokens + num_warps - 1) / num_warps;
   ClaimedTokens tokens(&me->direct_next_chunk, blockIdx.x * kWarpsPerChannel + warp, num_warps, chunk, a.num_tokens,
-                       claims, a.direct_claim_ahead);
+                       claims);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
-  // Diagnostic runs may leave out this rank's rows or the peers' (EP_PLUGIN_DIRECT_DIAG).
-  // (only the rows, not their metadata: the combine after such a run still finds valid source indices).
-  const bool lane_writes_rows = !(a.direct_diagnostics & (lane == a.rank ? kDirectDiagNoOwnRows : kDirectDiagNoPeerRows));
-  const bool writes_metadata = !(a.direct_diagnostics & kDirectDiagNoMetadata);
 #ifdef EP_PLUGIN_PHASE_PROFILE
   const long long sender_start = clock64();
   long long metadata_cycles = 0;
 #endif
-  // NOTE: the next row's positions are loaded during this row, once its token is known.
+  // NOTE: the next row's positions load during this row when it is in the same chunk.
   auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int prefetched_token = -1, prefetched_pos = -1;
   for (int k = 0; tokens.begin_row(k); ++k) {
@@ -179,7 +151,7 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dst_mask == 0) {
       rows.skip(k, tokens);
-      prefetched_token = tokens.known_next(k);
+      prefetched_token = tokens.lookahead(k + 1);
       prefetched_pos = load_pos(prefetched_token);
       continue;
     }
@@ -200,17 +172,14 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
       row_of[r] = shfl(pos, r);
       dst[r] = r < R && (dst_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
     }
-    uint8_t* const lane_dst =
-        pos < 0 || !lane_writes_rows ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
+    uint8_t* const lane_dst = pos < 0 ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
     rows.copy(a, t, k, dst, lane_dst, tokens);
-    // NOTE: after the copy, so that a chunk claimed at this row's start is back.
-    prefetched_token = tokens.known_next(k);
+    prefetched_token = tokens.lookahead(k + 1);
     prefetched_pos = load_pos(prefetched_token);
 #ifdef EP_PLUGIN_PHASE_PROFILE
     const long long metadata_start = clock64();
 #endif
     if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
-    if (!writes_metadata) continue;
 
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
 #pragma unroll
