@@ -300,6 +300,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("output_region_bytes", &IntranodeRuntime::output_region_bytes)
       .def_property_readonly("dispatch_bulk_rows", &IntranodeRuntime::dispatch_bulk_rows,
                              "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
+      .def_property_readonly("direct_chunk_tokens", &IntranodeRuntime::direct_chunk_tokens,
+                             "Tokens per chunk the direct dispatch's warps claim (0: fixed equal shares).")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
            "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })

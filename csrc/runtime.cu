@@ -110,6 +110,10 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
                  "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
   }
+  if (const char* chunk = std::getenv("EP_PLUGIN_DIRECT_CHUNK")) {
+    EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
+                 "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
 }
@@ -225,6 +229,7 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   // Rows past the bulk split's reach (about 200 KB) go through registers.
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_max_blocks = direct_max_blocks_;
+  args.direct_chunk_tokens = direct_chunk_tokens_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
@@ -271,7 +276,8 @@ void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
     require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
   }
   intranode::launch_direct_dispatch(args, stream);
-  // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header).
+  // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header);
+  // launched as a programmatic dependent, it overlaps the direct kernel's end.
   args.only_after_fallback = true;
   intranode::launch_dispatch(args, stream);
 }

@@ -45,6 +45,7 @@ class IntranodeRuntime {
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
   int64_t staging_bytes() const { return staging_bytes_; }
   bool dispatch_bulk_rows() const { return dispatch_bulk_rows_; }
+  int direct_chunk_tokens() const { return direct_chunk_tokens_; }
   // The output region: its first byte's device address here, and its size.
   uintptr_t output_region_address() const;
   int64_t output_region_bytes() const { return output_bytes_; }
@@ -117,6 +118,7 @@ class IntranodeRuntime {
   // The direct dispatch on at most this many blocks (EP_PLUGIN_DIRECT_MAX_BLOCKS; 0: num_sms): on 2x H200,
   // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
   int direct_max_blocks_ = 16;
+  int direct_chunk_tokens_ = 1;  // EP_PLUGIN_DIRECT_CHUNK: tokens per claimed chunk (0: fixed shares)
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

@@ -58,7 +58,7 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
 
 
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
-               dispatch_output_bytes=0) -> list:
+               dispatch_output_bytes=0, expect_chunk_tokens=1) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes)
@@ -67,6 +67,7 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
     if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
         expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
     assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
+    assert native._backend._runtime.direct_chunk_tokens == expect_chunk_tokens
     done = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
         try:
@@ -143,6 +144,26 @@ def direct_cases_rank(rank: int, R: int, group, names) -> list:
 def test_cases_multi_rank_direct_outputs():
     names = [c["name"] for c in CASES]
     assert parallel_launch(RANKS, direct_cases_rank, names) == [names] * RANKS
+
+
+# The direct dispatch's warps claim chunks of tokens (EP_PLUGIN_DIRECT_CHUNK, default 1): chunks of 3
+# leave a partial last chunk and warps without tokens in the small cases; 0 gives each warp a fixed
+# share. Set in the spawned ranks' environment.
+CHUNK_CASES = ("hidden7168", "fp8_hidden1536", "topk9", "routing_one_rank", "empty_rank", "large", "num_worst", "sms2",
+               "sms48")
+
+
+def direct_chunk_cases_rank(rank: int, R: int, group, names, chunk_tokens) -> list:
+    os.environ["EP_PLUGIN_DIRECT_CHUNK"] = str(chunk_tokens)  # read when the native Buffer is created
+    return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES, expect_chunk_tokens=chunk_tokens)
+
+
+@needs_ranks(RANKS)
+@pytest.mark.parametrize("chunk_tokens", [3, 0], ids=["chunks_of_3", "fixed_shares"])
+def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens):
+    in_order = [c["name"] for c in CASES if c["name"] in CHUNK_CASES]
+    assert sorted(in_order) == sorted(CHUNK_CASES)
+    assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, chunk_tokens) == [in_order] * RANKS
 
 
 @needs_ranks(RANKS)

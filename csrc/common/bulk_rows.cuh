@@ -32,22 +32,32 @@ __host__ __device__ constexpr bool bulk_rows_fit(int row_bytes) {
   return (bulk_pieces(row_bytes) - 1) * bulk_piece_bytes(row_bytes) < row_bytes;
 }
 
+// Row k of a warp's sequence is token first + k * stride, below end (a fixed share of the tokens).
+struct StridedTokens {
+  int first, stride, end;
+  // The token of row k, or -1 past the end. Any lane.
+  __device__ int lookahead(int k) const {
+    const int64_t t = first + static_cast<int64_t>(k) * stride;
+    return t < end ? static_cast<int>(t) : -1;
+  }
+};
+
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
+// Rows are tokens' rows of `rows` (row_bytes apart); which token row k of the sequence is comes from a
+// token source (StridedTokens, or tokens claimed as the warp goes) whose lookahead(k) gives row k's
+// token for lane 0, the loader, or -1 while it is not known or past the end.
 class WarpBulkRows {
  public:
-  // Row k of the sequence starts at first_row + k * row_stride; `shared` is the block's dynamic shared
-  // memory (bulk_rows_shared_bytes of all its warps), this warp is `warp`. Warp-collective.
-  __device__ WarpBulkRows(uint8_t* shared, int warp, int num_warps, const uint8_t* first_row, int64_t row_stride,
-                          int num_rows, int row_bytes)
+  // `shared` is the block's dynamic shared memory (bulk_rows_shared_bytes of all its warps), this warp
+  // is `warp`. Warp-collective.
+  __device__ WarpBulkRows(uint8_t* shared, int warp, int num_warps, const uint8_t* rows, int row_bytes)
       : stages_(shared + static_cast<int64_t>(warp) * kBulkStages * kBulkMaxPieceBytes),
         bars_(reinterpret_cast<uint64_t*>(shared + static_cast<int64_t>(num_warps) * kBulkStages * kBulkMaxPieceBytes) +
               warp * kBulkStages),
-        first_row_(first_row),
-        row_stride_(row_stride),
+        rows_(rows),
         row_bytes_(row_bytes),
         pieces_(bulk_pieces(row_bytes)),
-        piece_bytes_(bulk_piece_bytes(row_bytes)),
-        num_items_(num_rows * pieces_) {
+        piece_bytes_(bulk_piece_bytes(row_bytes)) {
     if (lane_id() == 0) {
       for (int s = 0; s < kBulkStages; ++s) mbarrier_init(&bars_[s], 1);
       fence_mbarrier_init();
@@ -55,15 +65,22 @@ class WarpBulkRows {
     __syncwarp();
   }
 
-  // Row k (the next one: rows go in order, each exactly once) to `dst` of this lane, if not null.
-  // Warp-collective.
-  __device__ void copy_row(int k, uint8_t* dst) {
+  // Row k (the next one: rows go in order, each exactly once; tokens.lookahead(k) is known) to `dst`
+  // of this lane, if not null. Warp-collective.
+  template <typename Tokens>
+  __device__ void copy_row(int k, uint8_t* dst, const Tokens& tokens) {
     for (int p = 0; p < pieces_; ++p) {
       const int item = k * pieces_ + p;
-      issue_loads_through(min(item + kBulkLoadsAhead, num_items_ - 1));
+      issue_loads_through(item + kBulkLoadsAhead, tokens);
       const int stage = item % kBulkStages;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+      const long long wait_start = clock64();
+#endif
       while (!mbarrier_try_wait(&bars_[stage], (item / kBulkStages) & 1)) {
       }
+#ifdef EP_PLUGIN_PHASE_PROFILE
+      load_wait_cycles += clock64() - wait_start;
+#endif
       if (dst != nullptr) bulk_store(dst + p * piece_bytes_, stages_ + stage * kBulkMaxPieceBytes, bytes_of(p));
       // NOTE: every lane commits a group per piece (empty without a store), so that the group
       // count is the piece count in every lane.
@@ -71,31 +88,48 @@ class WarpBulkRows {
     }
   }
 
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  // Diagnostic build: cycles this lane waited for its loads (mbarriers) and for its stores' reads.
+  long long load_wait_cycles = 0, store_wait_cycles = 0;
+#endif
+
  private:
   __device__ int bytes_of(int piece) const { return min(piece_bytes_, row_bytes_ - piece * piece_bytes_); }
 
-  __device__ void issue_loads_through(int last) {
+  // Loads items up to `last` whose rows are known; item `issued_` (the one about to be stored, at least)
+  // always is.
+  template <typename Tokens>
+  __device__ void issue_loads_through(int last, const Tokens& tokens) {
     if (issued_ > last) return;
     // The stages of these items last held items <= item - 2: only the newest group may still read.
+#ifdef EP_PLUGIN_PHASE_PROFILE
+    const long long wait_start = clock64();
     bulk_wait_read<1>();
+    store_wait_cycles += clock64() - wait_start;
+#else
+    bulk_wait_read<1>();
+#endif
     __syncwarp();
+    int item = issued_;
     if (lane_id() == 0) {
-      for (int item = issued_; item <= last; ++item) {
-        const int stage = item % kBulkStages, row = item / pieces_, piece = item % pieces_;
+      for (; item <= last; ++item) {
+        const int row = item / pieces_, piece = item % pieces_;
+        const int token = tokens.lookahead(row);
+        if (token < 0) break;
+        const int stage = item % kBulkStages;
         const uint32_t bytes = bytes_of(piece);
         mbarrier_arrive_expect_bytes(&bars_[stage], bytes);
-        bulk_load(stages_ + stage * kBulkMaxPieceBytes, first_row_ + row * row_stride_ + piece * piece_bytes_, bytes,
-                  &bars_[stage]);
+        bulk_load(stages_ + stage * kBulkMaxPieceBytes,
+                  rows_ + static_cast<int64_t>(token) * row_bytes_ + piece * piece_bytes_, bytes, &bars_[stage]);
       }
     }
-    issued_ = last + 1;
+    issued_ = shfl(item, 0);
   }
 
   uint8_t* stages_;
   uint64_t* bars_;
-  const uint8_t* first_row_;
-  int64_t row_stride_;
-  int row_bytes_, pieces_, piece_bytes_, num_items_;
+  const uint8_t* rows_;
+  int row_bytes_, pieces_, piece_bytes_;
   int issued_ = 0;
 };
 #endif

@@ -156,6 +156,21 @@ __device__ __forceinline__ void bulk_wait_read() {
 // Until every store of this thread's groups is complete (before a release that publishes them).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Programmatic dependent launch (sm_90 on): launch_dependents lets the next kernel of the stream, if it
+// was launched with cudaLaunchAttributeProgrammaticStreamSerialization, start once every block of this
+// one has called it or ended; that kernel's wait_for_prerequisites then waits until this one has ended
+// and its writes are visible. Both are no-ops without such a launch, and before sm_90.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Orders this thread's generic-proxy accesses before its later bulk copies.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
 #endif

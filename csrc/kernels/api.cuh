@@ -76,6 +76,7 @@ struct DispatchArgs {
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
+  int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
@@ -83,7 +84,8 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Every rank's outputs in its NVLink buffer: senders write rows straight into them (no rings);
 // at most num_channels * 2 blocks. When a rank's outputs are not in its region (direct_has_room false
 // there), every rank's kernel ends after the start handshake and flags the fallback: launch the ring
-// dispatch after it with only_after_fallback.
+// dispatch after it with only_after_fallback (a programmatic dependent launch, which overlaps the
+// direct kernel's end).
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
 // ---- combine (intranode_combine.cu) -------------------------------------------------------------

@@ -97,20 +97,22 @@ __device__ inline void mark_padding_rows(const DispatchArgs& a, int receiver_ind
 }
 
 // The sender's row copies: loads into registers and stores from them, or (kBulk) bulk copies through
-// shared memory.
+// shared memory. Row k of a warp is the token tokens.lookahead(k) (StridedTokens, or ClaimedTokens of
+// the direct dispatch); rows go in order.
 template <bool kBulk>
 struct SenderRows;
 
 template <>
 struct SenderRows<false> {
-  __device__ SenderRows(const DispatchArgs&, uint8_t*, int, int, int, int, int) {}
-  template <typename Ptr>
-  __device__ void copy(const DispatchArgs& a, int t, int, Ptr const (&dst)[kMaxNvlPeers], uint8_t*) {
+  __device__ SenderRows(const DispatchArgs&, uint8_t*, int, int) {}
+  template <typename Ptr, typename Tokens>
+  __device__ void copy(const DispatchArgs& a, int t, int, Ptr const (&dst)[kMaxNvlPeers], uint8_t*, const Tokens&) {
     const int4* src_row = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                         static_cast<int64_t>(t) * a.row_bytes);
     warp_copy_units_to_all<Load::kReadOnly>(dst, src_row, a.row_bytes / 16);
   }
-  __device__ void skip(int) {}
+  template <typename Tokens>
+  __device__ void skip(int, const Tokens&) {}
   __device__ void after_slot_freed() {}
   __device__ void complete() {}
 };
@@ -118,19 +120,19 @@ struct SenderRows<false> {
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
 template <>
 struct SenderRows<true> {
-  // Warp `warp` of the block's `num_warps` takes the tokens first_token, first_token + token_stride, ...
-  // below token_end.
-  __device__ SenderRows(const DispatchArgs& a, uint8_t* shared, int warp, int num_warps, int first_token,
-                        int token_stride, int token_end)
-      : rows(shared, warp, num_warps, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(first_token) * a.row_bytes,
-             static_cast<int64_t>(token_stride) * a.row_bytes,
-             first_token < token_end ? (token_end - first_token + token_stride - 1) / token_stride : 0, a.row_bytes) {}
-  // The k-th token of the warp to this lane's destination (lane r: rank r's).
-  template <typename Ptr>
-  __device__ void copy(const DispatchArgs&, int, int k, Ptr const (&)[kMaxNvlPeers], uint8_t* lane_dst) {
-    rows.copy_row(k, lane_dst);
+  // Warp `warp` of the block's `num_warps`.
+  __device__ SenderRows(const DispatchArgs& a, uint8_t* shared, int warp, int num_warps)
+      : rows(shared, warp, num_warps, static_cast<const uint8_t*>(a.x), a.row_bytes) {}
+  // The k-th row of the warp to this lane's destination (lane r: rank r's).
+  template <typename Ptr, typename Tokens>
+  __device__ void copy(const DispatchArgs&, int, int k, Ptr const (&)[kMaxNvlPeers], uint8_t* lane_dst,
+                       const Tokens& tokens) {
+    rows.copy_row(k, lane_dst, tokens);
   }
-  __device__ void skip(int k) { rows.copy_row(k, nullptr); }
+  template <typename Tokens>
+  __device__ void skip(int k, const Tokens& tokens) {
+    rows.copy_row(k, nullptr, tokens);
+  }
   // NOTE: the receiver's reads of a slot, seen through this lane's acquire of the ring head, come
   // before the bulk copies' writes into it.
   __device__ void after_slot_freed() { fence_proxy_async(); }

@@ -8,16 +8,18 @@
 //   entered this call, so its outputs are its own for this call.
 // - A rank whose region had no room for its outputs says so in that word. Every rank then sees the
 //   same words, and every rank's kernel ends there and flags the fallback: the ring dispatch launched
-//   after it moves the rows instead (outputs anywhere).
+//   after it moves the rows instead (outputs anywhere). That launch overlaps this kernel's end.
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
-// - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes a contiguous run of
-//   tokens and writes each row to every rank that has it, this rank included.
+// - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes chunks of tokens, one at
+//   a time from a counter (ClaimedTokens), and writes each row to every rank that has it, this rank
+//   included.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "dispatch_rows.cuh"
 #include "intranode_common.cuh"
+#include "intranode_profile.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -76,27 +78,81 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
                      output_at<int32_t>(base, word(theirs.recv_src_idx))};
 }
 
+// A warp's tokens, in chunks of `chunk` tokens. With claims, warp w of W starts with chunk w and, each
+// time its chunk is done, claims the next one from a counter (chunks W, W + 1, ...), so that the warps
+// of faster SMs take more: with fixed shares, blocks finished up to 25% apart (eighteenth session). A
+// warp claims a chunk only when it needs one: a chunk claimed ahead is work that a warp which runs out
+// first cannot take (claiming one or two ahead measured 1-2% slower). Without claims, warp w has the
+// one chunk w. Rows go in order; row k is row k - first_row_ of the current chunk.
+class ClaimedTokens {
+ public:
+  __device__ ClaimedTokens(uint32_t* counter, int warp_index, int num_warps, int chunk, int num_tokens, bool claims)
+      : counter_(claims ? counter : nullptr),
+        num_warps_(num_warps),
+        chunk_(chunk),
+        num_tokens_(num_tokens),
+        current_(warp_index * chunk) {}
+
+  // Every lane, as row k starts (k = 0, 1, ...): whether the warp has a row k.
+  __device__ bool begin_row(int k) {
+    if (k == first_row_ + chunk_) {
+      first_row_ = k;
+      current_ = shfl(claim(), 0);
+    }
+    return current_ + (k - first_row_) < num_tokens_;
+  }
+  // The token of row k (begun).
+  __device__ int token(int k) const { return current_ + (k - first_row_); }
+  // The token of row k >= the current row if it is in the current chunk, else -1. Any lane.
+  __device__ int lookahead(int k) const {
+    const int offset = k - first_row_;
+    return offset < chunk_ && current_ + offset < num_tokens_ ? current_ + offset : -1;
+  }
+
+ private:
+  // Lane 0: the first token of a newly claimed chunk (num_tokens once past the end); others: 0.
+  __device__ int claim() const {
+    if (counter_ == nullptr) return num_tokens_;
+    if (lane_id() != 0) return 0;
+    const int64_t first = (static_cast<int64_t>(atomicAdd(counter_, 1u)) + num_warps_) * chunk_;
+    return first < num_tokens_ ? static_cast<int>(first) : num_tokens_;
+  }
+
+  uint32_t* counter_;
+  int num_warps_, chunk_, num_tokens_;
+  int first_row_ = 0;  // the warp's row index of the current chunk's first token
+  int current_;        // first token of the current chunk (num_tokens: none)
+};
+
 template <bool kBulk>
-__device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], uint8_t* shared) {
+__device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], Header* me,
+                              uint8_t* shared) {
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
-  // Lane r writes rank r's rows; each warp takes a contiguous run of tokens.
-  int token_begin, token_end;
-  channel_token_range(a.num_tokens, gridDim.x * kWarpsPerChannel, blockIdx.x * kWarpsPerChannel + warp, token_begin,
-                      token_end);
-  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin, 1, token_end);
+  const int num_warps = gridDim.x * kWarpsPerChannel;
+  // Lane r writes rank r's rows.
+  const bool claims = a.direct_chunk_tokens > 0;
+  const int chunk = claims ? a.direct_chunk_tokens : (a.num_tokens + num_warps - 1) / num_warps;
+  ClaimedTokens tokens(&me->direct_next_chunk, blockIdx.x * kWarpsPerChannel + warp, num_warps, chunk, a.num_tokens,
+                       claims);
+  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
-  // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
-  auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
-  int next_pos = load_pos(token_begin);
-  for (int t = token_begin; t < token_end; ++t) {
-    const int pos = next_pos;
-    next_pos = load_pos(t + 1);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long sender_start = clock64();
+  long long metadata_cycles = 0;
+#endif
+  // NOTE: the next row's positions load during this row when it is in the same chunk.
+  auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  int prefetched_token = -1, prefetched_pos = -1;
+  for (int k = 0; tokens.begin_row(k); ++k) {
+    const int t = tokens.token(k);
+    const int pos = t == prefetched_token ? prefetched_pos : load_pos(t);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
-    const int k = t - token_begin;
     if (dst_mask == 0) {
-      rows.skip(k);
+      rows.skip(k, tokens);
+      prefetched_token = tokens.lookahead(k + 1);
+      prefetched_pos = load_pos(prefetched_token);
       continue;
     }
     // Issue the top-k and scale loads before the row copy, which does not depend on them.
@@ -117,7 +173,13 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
       dst[r] = r < R && (dst_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
     }
     uint8_t* const lane_dst = pos < 0 ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
-    rows.copy(a, t, k, dst, lane_dst);
+    rows.copy(a, t, k, dst, lane_dst, tokens);
+    prefetched_token = tokens.lookahead(k + 1);
+    prefetched_pos = load_pos(prefetched_token);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+    const long long metadata_start = clock64();
+#endif
+    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
 
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
 #pragma unroll
@@ -135,9 +197,27 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
         if (outputs[r].topk_weights != nullptr) outputs[r].topk_weights[at] = local_id >= 0 ? weight : 0.f;
       }
     }
-    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+    metadata_cycles += clock64() - metadata_start;
+#endif
   }
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long drain_start = clock64();
+#endif
   rows.complete();
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  const long long end = clock64();
+  if (lane == 0) {
+    direct_add_cycles(kCyclesSender, end - sender_start);
+    direct_add_cycles(kCyclesMetadata, metadata_cycles);
+    direct_add_cycles(kCyclesDrain, end - drain_start);
+  }
+  if constexpr (kBulk) {
+    if (lane == 0) direct_add_cycles(kCyclesLoadWait, rows.rows.load_wait_cycles);
+    if (lane == a.rank) direct_add_cycles(kCyclesOwnStoreWait, rows.rows.store_wait_cycles);
+    if (lane == (a.rank + 1) % R) direct_add_cycles(kCyclesPeerStoreWait, rows.rows.store_wait_cycles);
+  }
+#endif
 }
 
 // After every block's writes: the last block out tells each rank that this rank's rows are all
@@ -149,10 +229,13 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   fence_proxy_async();
 #endif
   __syncthreads();
+  // The ring kernel launched after this one (it only checks direct_fell_back) may start now.
+  launch_dependents();
   if (threadIdx.x != 0) return;
   __threadfence_system();
   if (atomicAdd(&me->blocks_done, 1u) + 1u != gridDim.x) return;
   me->blocks_done = 0;
+  me->direct_next_chunk = 0;  // every warp has made its last claim
   __threadfence_system();
   for (int r = 0; r < a.num_ranks; ++r)
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
@@ -178,18 +261,31 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
   bool peer_has_room = true;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  direct_mark(kMarkStart);
+#endif
   if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room);
   const bool every_rank_has_room = __syncthreads_and(peer_has_room);
   // NOTE: read by the ring kernel launched after this one (kernel boundary), which runs on a fallback.
   if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
   if (!every_rank_has_room) return;
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  direct_mark(kMarkExchanged);
+#endif
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
-  if (args.bulk_rows) direct_sender<true>(args, outputs, shared);
+  if (args.bulk_rows) direct_sender<true>(args, outputs, me, shared);
   else
 #endif
-    direct_sender<false>(args, outputs, shared);
+    direct_sender<false>(args, outputs, me, shared);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  __syncthreads();
+  direct_mark(kMarkRowsWritten);
+#endif
   finish_direct(args, me, epoch, site);
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  report_direct_phases(args.rank, args.num_tokens, args.row_bytes, args.topk_idx == nullptr);
+#endif
 }
 
 }  // namespace

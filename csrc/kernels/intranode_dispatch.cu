@@ -33,7 +33,9 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   const int R = a.num_ranks;
   int token_begin, token_end;
   channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
-  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel, token_begin + warp, kWarpsPerChannel, token_end);
+  // Warp w takes every kWarpsPerChannel-th token of the channel's chunk, from its w-th.
+  const StridedTokens tokens{token_begin + warp, kWarpsPerChannel, token_end};
+  SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
 
   // Lane r drives the sub-ring towards rank r.
   const bool owns_ring = lane < R && lane != a.rank;
@@ -61,7 +63,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     const int round = (t - token_begin - warp) / kWarpsPerChannel;
     if (dst_mask == 0) {
-      rows.skip(round);
+      rows.skip(round, tokens);
       continue;
     }
     // Issue the top-k loads before the row copy, which does not depend on them.
@@ -112,7 +114,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     uint8_t* const lane_dst = pos < 0 || lane >= R ? nullptr
                               : lane == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes
                                                : slot + kSlotPayloadOffset;
-    rows.copy(a, t, round, dst, lane_dst);
+    rows.copy(a, t, round, dst, lane_dst, tokens);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
@@ -304,8 +306,12 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
   extern __shared__ __align__(16) uint8_t shared[];
   Header* me = header_of(args.peer_buffers, args.rank);
-  // The direct dispatch before this launch ran (the usual case): nothing to do.
-  if (args.only_after_fallback && me->direct_fell_back == 0) return;
+  if (args.only_after_fallback) {
+    // Launched while the direct dispatch before it ends (programmatic dependent launch): its flag is
+    // final once it has ended. It ran (the usual case): nothing to do.
+    wait_for_prerequisites();
+    if (me->direct_fell_back == 0) return;
+  }
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -340,9 +346,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_dispatch_args(args);
-  const int shared_bytes = bulk_rows_shared_bytes_for<dispatch_kernel>(args);
-  dispatch_kernel<<<args.num_channels * 2, kThreadsPerBlock, shared_bytes, stream>>>(args);
-  CUDA_CHECK(cudaGetLastError());
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(args.num_channels * 2);
+  config.blockDim = dim3(kThreadsPerBlock);
+  config.dynamicSmemBytes = bulk_rows_shared_bytes_for<dispatch_kernel>(args);
+  config.stream = stream;
+  // NOTE: after a direct dispatch, the launch overlaps that kernel's end (it calls launch_dependents
+  // once its rows are written), so that the usual case, no fallback, costs no launch gap.
+  cudaLaunchAttribute overlap = {};
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  if (args.only_after_fallback) config.attrs = &overlap, config.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, dispatch_kernel, args));
 }
 
 }  // namespace ep_plugin::intranode

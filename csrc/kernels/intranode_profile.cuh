@@ -107,4 +107,76 @@ class WarpPhases {
 
 #endif
 
+
+// The direct dispatch (intranode_direct_dispatch.cu), same diagnostic build: every block stamps
+// %globaltimer at its start, once the outputs are exchanged, once its rows are written and at its end;
+// warps add the cycles they spent in each DirectCycles part. The last block of every 8th launch
+// prints each mark's min / mean / max over blocks (us after the first block's start) and each part's
+// mean per warp (thousands of cycles).
+enum DirectMark { kMarkStart, kMarkExchanged, kMarkRowsWritten, kMarkEnd, kNumDirectMarks };
+enum DirectCycles {
+  kCyclesSender,          // the whole sender loop, from its first token to its stores' completion
+  kCyclesLoadWait,        // waiting for the bulk loads of pieces (lane 0)
+  kCyclesOwnStoreWait,    // the lane that stores this rank's rows, waiting for its stores' reads
+  kCyclesPeerStoreWait,   // the lane that stores the next rank's rows, the same
+  kCyclesMetadata,        // scales, top-k and source-index stores
+  kCyclesDrain,           // waiting for the last stores' completion
+  kNumDirectCycles
+};
+
+#ifdef EP_PLUGIN_PHASE_PROFILE
+namespace {
+namespace direct_profile {
+__device__ unsigned long long g_marks[2 * kMaxChannels][kNumDirectMarks];
+__device__ unsigned long long g_cycles[kNumDirectCycles];
+__device__ unsigned int g_blocks_done, g_launches;
+}  // namespace direct_profile
+
+__device__ inline void direct_mark(DirectMark mark) {
+  if (threadIdx.x == 0) direct_profile::g_marks[blockIdx.x][mark] = global_timer_ns();
+}
+
+// Called by the lane whose cycles these are.
+__device__ inline void direct_add_cycles(DirectCycles part, long long cycles) {
+  atomicAdd(&direct_profile::g_cycles[part], static_cast<unsigned long long>(cycles));
+}
+
+// Every thread of every block calls it at the kernel's very end.
+__device__ inline void report_direct_phases(int rank, int num_tokens, int row_bytes, bool cached) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  direct_mark(kMarkEnd);
+  __threadfence();
+  if (atomicAdd(&direct_profile::g_blocks_done, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  direct_profile::g_blocks_done = 0;
+  const unsigned int launch = direct_profile::g_launches++;
+  const int blocks = gridDim.x;
+  if (launch % 8 == 7) {
+    unsigned long long start = ~0ull;
+    for (int b = 0; b < blocks; ++b) start = min(start, direct_profile::g_marks[b][kMarkStart]);
+    printf("[phase] direct %s rank %d launch %u blocks %d tokens %d row_bytes %d (us after the first start, "
+           "min/mean/max over blocks):",
+           cached ? "cached_dispatch" : "dispatch", rank, launch, blocks, num_tokens, row_bytes);
+    const char* const mark_names[kNumDirectMarks] = {"start", "exchanged", "rows_written", "end"};
+    for (int m = 0; m < kNumDirectMarks; ++m) {
+      double lo = 1e30, hi = 0, sum = 0;
+      for (int b = 0; b < blocks; ++b) {
+        const double t = (direct_profile::g_marks[b][m] - start) * 1e-3;
+        lo = t < lo ? t : lo, hi = t > hi ? t : hi, sum += t;
+      }
+      printf(" %s %.1f/%.1f/%.1f", mark_names[m], lo, sum / blocks, hi);
+    }
+    const char* const cycle_names[kNumDirectCycles] = {"sender", "load_wait", "own_store_wait", "peer_store_wait",
+                                                       "metadata", "drain"};
+    const double warps = static_cast<double>(blocks) * (blockDim.x / 32);
+    printf("; kcycles per warp:");
+    for (int p = 0; p < kNumDirectCycles; ++p) printf(" %s %.1f", cycle_names[p], direct_profile::g_cycles[p] / warps * 1e-3);
+    printf("\n");
+  }
+  for (int p = 0; p < kNumDirectCycles; ++p) direct_profile::g_cycles[p] = 0;
+}
+}  // namespace
+#endif
+
 }  // namespace ep_plugin::intranode
