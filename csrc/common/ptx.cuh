@@ -99,6 +99,21 @@ __device__ __forceinline__ void* shfl_ptr(void* ptr, int src_lane) {
   return reinterpret_cast<void*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(ptr), src_lane));
 }
 
+// Programmatic dependent launch (sm_90 on): launch_dependents lets the next kernel of the stream, if it
+// was launched with cudaLaunchAttributeProgrammaticStreamSerialization, start once every block of this
+// one has called it or ended; that kernel's wait_for_prerequisites then waits until this one has ended
+// and its writes are visible. Both are no-ops without such a launch, and before sm_90.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Bulk (TMA) copies between global and shared memory (sm_90 and newer). A bulk load completes on an
 // mbarrier (the issuer announces its bytes first); bulk stores complete per thread in bulk groups.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -155,21 +170,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 
 // Until every store of this thread's groups is complete (before a release that publishes them).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Programmatic dependent launch (sm_90 on): launch_dependents lets the next kernel of the stream, if it
-// was launched with cudaLaunchAttributeProgrammaticStreamSerialization, start once every block of this
-// one has called it or ended; that kernel's wait_for_prerequisites then waits until this one has ended
-// and its writes are visible. Both are no-ops without such a launch, and before sm_90.
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // Orders this thread's generic-proxy accesses before its later bulk copies.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }

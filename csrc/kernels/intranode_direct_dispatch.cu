@@ -99,14 +99,13 @@ class ClaimedTokens {
       first_row_ = k;
       current_ = shfl(claim(), 0);
     }
-    return current_ + (k - first_row_) < num_tokens_;
+    return token(k) < num_tokens_;
   }
   // The token of row k (begun).
   __device__ int token(int k) const { return current_ + (k - first_row_); }
   // The token of row k >= the current row if it is in the current chunk, else -1. Any lane.
   __device__ int lookahead(int k) const {
-    const int offset = k - first_row_;
-    return offset < chunk_ && current_ + offset < num_tokens_ ? current_ + offset : -1;
+    return k - first_row_ < chunk_ && token(k) < num_tokens_ ? token(k) : -1;
   }
 
  private:
@@ -131,17 +130,12 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
   const int num_warps = gridDim.x * kWarpsPerChannel;
-  // Lane r writes rank r's rows.
   const bool claims = a.direct_chunk_tokens > 0;
   const int chunk = claims ? a.direct_chunk_tokens : (a.num_tokens + num_warps - 1) / num_warps;
   ClaimedTokens tokens(&me->direct_next_chunk, blockIdx.x * kWarpsPerChannel + warp, num_warps, chunk, a.num_tokens,
                        claims);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
-
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  const long long sender_start = clock64();
-  long long metadata_cycles = 0;
-#endif
+  DirectSenderCycles cycles;
   // NOTE: the next row's positions load during this row when it is in the same chunk.
   auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int prefetched_token = -1, prefetched_pos = -1;
@@ -172,13 +166,12 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
       row_of[r] = shfl(pos, r);
       dst[r] = r < R && (dst_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
     }
+    // Lane r writes rank r's rows.
     uint8_t* const lane_dst = pos < 0 ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
     rows.copy(a, t, k, dst, lane_dst, tokens);
     prefetched_token = tokens.lookahead(k + 1);
     prefetched_pos = load_pos(prefetched_token);
-#ifdef EP_PLUGIN_PHASE_PROFILE
-    const long long metadata_start = clock64();
-#endif
+    cycles.begin();
     if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
 
     for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
@@ -197,27 +190,11 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
         if (outputs[r].topk_weights != nullptr) outputs[r].topk_weights[at] = local_id >= 0 ? weight : 0.f;
       }
     }
-#ifdef EP_PLUGIN_PHASE_PROFILE
-    metadata_cycles += clock64() - metadata_start;
-#endif
+    cycles.end_metadata();
   }
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  const long long drain_start = clock64();
-#endif
+  cycles.begin();
   rows.complete();
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  const long long end = clock64();
-  if (lane == 0) {
-    direct_add_cycles(kCyclesSender, end - sender_start);
-    direct_add_cycles(kCyclesMetadata, metadata_cycles);
-    direct_add_cycles(kCyclesDrain, end - drain_start);
-  }
-  if constexpr (kBulk) {
-    if (lane == 0) direct_add_cycles(kCyclesLoadWait, rows.rows.load_wait_cycles);
-    if (lane == a.rank) direct_add_cycles(kCyclesOwnStoreWait, rows.rows.store_wait_cycles);
-    if (lane == (a.rank + 1) % R) direct_add_cycles(kCyclesPeerStoreWait, rows.rows.store_wait_cycles);
-  }
-#endif
+  cycles.end_sender<kBulk>(rows, a.rank, R);
 }
 
 // After every block's writes: the last block out tells each rank that this rank's rows are all
@@ -261,31 +238,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
   bool peer_has_room = true;
-#ifdef EP_PLUGIN_PHASE_PROFILE
   direct_mark(kMarkStart);
-#endif
   if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room);
   const bool every_rank_has_room = __syncthreads_and(peer_has_room);
-  // NOTE: read by the ring kernel launched after this one (kernel boundary), which runs on a fallback.
+  // NOTE: read by the ring kernel launched after this one, once this kernel has ended (it waits for
+  // that with griddepcontrol.wait); it runs on a fallback.
   if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
   if (!every_rank_has_room) return;
-#ifdef EP_PLUGIN_PHASE_PROFILE
   direct_mark(kMarkExchanged);
-#endif
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
   if (args.bulk_rows) direct_sender<true>(args, outputs, me, shared);
   else
 #endif
     direct_sender<false>(args, outputs, me, shared);
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  __syncthreads();
-  direct_mark(kMarkRowsWritten);
-#endif
+  direct_mark_block(kMarkRowsWritten);
   finish_direct(args, me, epoch, site);
-#ifdef EP_PLUGIN_PHASE_PROFILE
   report_direct_phases(args.rank, args.num_tokens, args.row_bytes, args.topk_idx == nullptr);
-#endif
 }
 
 }  // namespace

@@ -352,11 +352,21 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   config.dynamicSmemBytes = bulk_rows_shared_bytes_for<dispatch_kernel>(args);
   config.stream = stream;
   // NOTE: after a direct dispatch, the launch overlaps that kernel's end (it calls launch_dependents
-  // once its rows are written), so that the usual case, no fallback, costs no launch gap.
+  // once its rows are written), so that the usual case, no fallback, costs no launch gap. Programmatic
+  // dependent launches exist from sm_90 on; once per process, which drives one GPU.
+  static const bool dependent_launches = [] {
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9;
+  }();
   cudaLaunchAttribute overlap = {};
   overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   overlap.val.programmaticStreamSerializationAllowed = 1;
-  if (args.only_after_fallback) config.attrs = &overlap, config.numAttrs = 1;
+  if (args.only_after_fallback && dependent_launches) {
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+  }
   CUDA_CHECK(cudaLaunchKernelEx(&config, dispatch_kernel, args));
 }
 

@@ -136,6 +136,12 @@ __device__ inline void direct_mark(DirectMark mark) {
   if (threadIdx.x == 0) direct_profile::g_marks[blockIdx.x][mark] = global_timer_ns();
 }
 
+// The mark once every warp of the block has reached it.
+__device__ inline void direct_mark_block(DirectMark mark) {
+  __syncthreads();
+  direct_mark(mark);
+}
+
 // Called by the lane whose cycles these are.
 __device__ inline void direct_add_cycles(DirectCycles part, long long cycles) {
   atomicAdd(&direct_profile::g_cycles[part], static_cast<unsigned long long>(cycles));
@@ -177,6 +183,46 @@ __device__ inline void report_direct_phases(int rank, int num_tokens, int row_by
   for (int p = 0; p < kNumDirectCycles; ++p) direct_profile::g_cycles[p] = 0;
 }
 }  // namespace
+#else
+__device__ inline void direct_mark(DirectMark) {}
+__device__ inline void direct_mark_block(DirectMark) {}
+__device__ inline void report_direct_phases(int, int, int, bool) {}
 #endif
+
+// A direct-dispatch sender warp's cycles by DirectCycles part; every call is a no-op outside the
+// diagnostic build. begin() marks the start of a metadata or drain part, which the next end_* closes.
+class DirectSenderCycles {
+ public:
+#ifdef EP_PLUGIN_PHASE_PROFILE
+  __device__ DirectSenderCycles() { start_ = clock64(); }
+  __device__ void begin() { mark_ = clock64(); }
+  __device__ void end_metadata() { metadata_ += clock64() - mark_; }
+  // At the sender's end, after the drain: lane 0 adds the warp's parts, and on the bulk path the lanes
+  // of this rank's and the next rank's stores add their waits.
+  template <bool kBulk, typename Rows>
+  __device__ void end_sender(const Rows& rows, int rank, int num_ranks) {
+    const long long end = clock64();
+    const int lane = lane_id();
+    if (lane == 0) {
+      direct_add_cycles(kCyclesSender, end - start_);
+      direct_add_cycles(kCyclesMetadata, metadata_);
+      direct_add_cycles(kCyclesDrain, end - mark_);
+    }
+    if constexpr (kBulk) {
+      if (lane == 0) direct_add_cycles(kCyclesLoadWait, rows.rows.load_wait_cycles);
+      if (lane == rank) direct_add_cycles(kCyclesOwnStoreWait, rows.rows.store_wait_cycles);
+      if (lane == (rank + 1) % num_ranks) direct_add_cycles(kCyclesPeerStoreWait, rows.rows.store_wait_cycles);
+    }
+  }
+
+ private:
+  long long start_ = 0, mark_ = 0, metadata_ = 0;
+#else
+  __device__ void begin() {}
+  __device__ void end_metadata() {}
+  template <bool kBulk, typename Rows>
+  __device__ void end_sender(const Rows&, int, int) {}
+#endif
+};
 
 }  // namespace ep_plugin::intranode
