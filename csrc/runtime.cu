@@ -397,6 +397,29 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
     }
   }
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+  // NOTE: queued last, so that nothing the host might block on stands before the copies the
+  // running reduction waits for.
+  release_staging(args, layout, side);
+}
+
+void IntranodeRuntime::release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                                       cudaStream_t side) {
+  // NOTE: after the reduction, off the caller's stream: the caller waits for the sums only. The next
+  // combine's reduction follows on `side`, and its senders copy once they see the release.
+  if (combine_early_rows_) {
+    // Every row and weight a source can have sent: each of this rank's tokens has at most one copy per rank.
+    const int64_t rows = std::min<int64_t>(args.num_tokens, layout.rows_capacity());
+    const int64_t weights = std::min<int64_t>(static_cast<int64_t>(args.num_tokens) * args.num_topk,
+                                              layout.rows_capacity() * intranode::kMaxTopk);
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (r == rank_ || rows == 0) continue;
+      uint8_t* region = static_cast<uint8_t*>(buffer_) + layout.region_offset(rank_, r);
+      CUDA_CHECK(cudaMemsetAsync(region, 0xff, rows * layout.row_bytes, side));
+      if (weights > 0) CUDA_CHECK(cudaMemsetAsync(region + layout.weights_offset(0, 1), 0xff, weights * 4, side));
+    }
+  }
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_) write_word(&static_cast<intranode::Header*>(peer_buffers_[r])->staged_released[rank_], args.epoch, side);
 }
 
 void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,

@@ -1,12 +1,12 @@
 // Copy-engine combine: the kernels on the owner's side and the sender's waits.
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
-// source rank), so the host copies them into o's staging area with the copy engines, a piece per
-// copy on one stream per owner; after each copy a signal stream counts the rows
-// landed in o's header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
-// takes tokens in order, waits (on its own header) for the rows that hold their copies, sums
-// them with its own copy, and frees a piece's staging slot for its sender once every row of it is
-// summed. The last block to finish tells every sender that o has released this combine's area.
+// source rank), so the host copies them into o's staging area with the copy engines, on one stream
+// per owner; after each copy a signal stream counts the rows landed in o's header (runtime.cu). No
+// SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes tokens in order,
+// sums each token's staged copies with its own copy as they land (see kUnlandedWord), and frees a
+// piece's staging slot for its sender once every row of it is summed. After the kernel, the host
+// refills the area with unlanded bytes and then tells every sender that o has released it.
 // Every progress word is written where its waiter polls it, so no wait reads across NVLink.
 #include "../common/exception.cuh"
 #include "api.cuh"
@@ -29,8 +29,8 @@ __device__ __forceinline__ uint32_t wait_for_epoch(const uint64_t* word, uint32_
 
 // Early rows: the owner sums a staged row while the copy engine may still be writing it, so that a
 // copy can be large (the engine moves large copies faster) without the owner waiting for all of it.
-// The staging area starts filled with 0xff bytes, and the owner refills every staged row and weight
-// it has summed, so a 32-bit word that still reads kUnlandedWord has not landed. A real word of that
+// Every combine starts with its staging area filled with 0xff bytes (the host refills it after each
+// reduction), so a 32-bit word that still reads kUnlandedWord has not landed. A real word of that
 // value (a NaN pattern) only makes the owner wait for its source's landed count, which is final.
 // NOTE: relies on aligned 32-bit words landing whole; a unit's four words may land at different times.
 constexpr int kUnlandedWord = -1;
@@ -77,28 +77,21 @@ __device__ __forceinline__ float wait_for_weight(const float* weight, Landing la
   }
 }
 
-__device__ __forceinline__ int4 unlanded_unit() { return make_int4(kUnlandedWord, kUnlandedWord, kUnlandedWord, kUnlandedWord); }
-
 // One warp waits until every unit of a staged row has landed (the general path reads the row again to sum it).
 __device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site) {
   for (int i = lane_id(); i < num_units; i += 32)
     if (has_unlanded_word(ld_cg_v4(row + i))) wait_for_unit(row + i, landing, site);
 }
 
-// One warp refills a summed staged row with unlanded words.
-__device__ __forceinline__ void refill_row(int4* row, int num_units) {
-  for (int i = lane_id(); i < num_units; i += 32) st_na_v4(row + i, unlanded_unit());
-}
-
 // The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
 // either may be absent. With no fp32 accumulator array to keep, a lane holds kPairUnroll units of
 // both copies in flight, twice sum_token_copies' bytes; two copies sum to the same value in either
-// order. Each staged unit is refilled once summed.
+// order.
 // NOTE: a kernel takes either this or sum_token_copies, never both: the two inlined side by side
 // made the kernel spill registers.
-constexpr int kPairUnroll = 7;
+constexpr int kPairUnroll = 8;
 
-__device__ __forceinline__ void sum_own_and_staged(const int4* own, int4* staged, Landing landing, int num_units,
+__device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* staged, Landing landing, int num_units,
                                                    int4* out, const WaitSite& site) {
   const int lane = lane_id();
   for (int base = 0; base < num_units; base += 32 * kPairUnroll) {
@@ -119,7 +112,6 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, int4* staged
       if (staged != nullptr) {
         if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_unit(staged + i, landing, site);
         add_bf16x8(acc, b[u]);
-        st_na_v4(staged + i, unlanded_unit());
       }
       st_na_v4(out + i, to_bf16x8(acc));
     }
@@ -171,7 +163,6 @@ __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, co
 }
 
 // Lane s: one more row of `piece` is summed; the last one frees the piece's slot for source s.
-// NOTE: every lane fenced its refill of the row before the warp barrier that precedes this call.
 __device__ __forceinline__ void count_summed_row(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
                                                  const SourceState& state, int source, int piece) {
   const int slot = piece % layout.num_slots;
@@ -185,8 +176,8 @@ __device__ __forceinline__ void count_summed_row(const StagedReduceArgs& a, cons
   }
 }
 
-// Lane k < num_topk: weight k of a token summed over its copies (own: user memory; staged: refilled
-// once read), in rank order as sum_token_copies adds rows.
+// Lane k < num_topk: weight k of a token summed over its copies (own: user memory), in rank order as
+// sum_token_copies adds rows.
 template <int kSources>
 __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, const Header* me,
                                                     const float* const (&weights)[kSources],
@@ -200,12 +191,11 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
       sum += weights[r][lane];
       continue;
     }
-    float* weight = const_cast<float*>(weights[r]) + lane;
+    const float* weight = weights[r] + lane;
     float value = ld_cg_f32(weight);
     if (unlanded[r] != 0 && __float_as_int(value) == kUnlandedWord)
       value = wait_for_weight(weight, landing_of(a, me, r, unlanded[r]), site);
     sum += value;
-    *weight = __int_as_float(kUnlandedWord);
   }
   return sum;
 }
@@ -218,7 +208,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
   const int num_units = a.hidden / 8;
-  const bool has_weights = a.topk_weights != nullptr && a.num_topk > 0;  // as the senders copy them
   const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
   const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
   const bool is_source = lane < R && lane != a.rank;
@@ -256,16 +245,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       if (r >= R || row < 0) continue;
       if (r == a.rank) {
         src[r] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2);
-        src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
+        if (a.topk_weights != nullptr) src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
       } else {
         src[r] = reinterpret_cast<const int4*>(base + layout.row_offset(index));
         src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
       }
     }
     // The weights first: their arrays are then dead during the rows' sum.
-    if (has_weights) {
+    if (a.combined_topk_weights != nullptr) {
       const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, site);
-      if (a.combined_topk_weights != nullptr && lane < a.num_topk)
+      if (lane < a.num_topk)
         a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
@@ -273,7 +262,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     if constexpr (kPair) {
       // NOTE: static indices keep the arrays in registers.
       const bool first = a.rank == 0;
-      sum_own_and_staged(first ? src[0] : src[1], const_cast<int4*>(first ? src[1] : src[0]),
+      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0],
                          landing_of(a, me, first ? 1 : 0, first ? unlanded_of[1] : unlanded_of[0]), num_units, out, site);
     } else {
 #pragma unroll
@@ -282,29 +271,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
           wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
                        bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
-#pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r)
-        if (r != a.rank && src[r] != nullptr) refill_row(const_cast<int4*>(src[r]), num_units);
     }
-    // NOTE: the refills must be visible before the slot is freed (or the area released) for the sender's next copy.
-    __threadfence();
     __syncwarp();
     if (piece >= 0) count_summed_row(a, layout, me, state, lane, piece);
   }
 
-  // The last block out releases this combine's staging areas to their senders.
-  __shared__ bool last_block;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_block = atomicAdd(&me->staged_blocks_done, 1u) + 1u == gridDim.x;
-    if (last_block) me->staged_blocks_done = 0;
-  }
-  __syncthreads();
-  if (last_block && threadIdx.x < R && threadIdx.x != a.rank) {
-    __threadfence();
-    st_release_sys(&header_of(a.peer_buffers, threadIdx.x)->staged_released[a.rank], a.epoch);
-  }
 }
 
 __global__ void staging_wait_kernel(StagingWaitArgs a) {
