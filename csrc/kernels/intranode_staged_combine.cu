@@ -211,8 +211,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
   const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
   const bool is_source = lane < R && lane != a.rank;
-  uint8_t* region = is_source ? static_cast<uint8_t*>(a.peer_buffers[a.rank]) + layout.region_offset(a.rank, lane)
-                              : nullptr;
+  const uint8_t* region = is_source ? static_cast<const uint8_t*>(a.peer_buffers[a.rank]) +
+                                          layout.region_offset(a.rank, lane)
+                                    : nullptr;
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       const int row = shfl(pos, r < R ? r : 0);
       const int64_t index = shfl(staged, r < R ? r : 0);
       const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
-      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
+      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(region), r < R ? r : 0));
       unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
       src[r] = nullptr;
       src_weights[r] = nullptr;
@@ -275,7 +276,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     __syncwarp();
     if (piece >= 0) count_summed_row(a, layout, me, state, lane, piece);
   }
-
 }
 
 __global__ void staging_wait_kernel(StagingWaitArgs a) {
