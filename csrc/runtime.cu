@@ -69,6 +69,8 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   // NOTE: counters are epoch-tagged and never reset later; they must start at zero on every rank
   // before any peer can write them (the caller barriers after this constructor).
   CUDA_CHECK(cudaMemset(buffer_, 0, intranode::kHeaderBytes));
+  // The copy-engine combine's owner tells landed staged bytes from the rest by 0xff (kUnlandedWord).
+  if (staging_bytes > 0) CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(buffer_) + staging_offset_, 0xff, staging_bytes));
   CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(const_cast<DeviceStatus*>(status_host_), 0, sizeof(DeviceStatus));
   status_host_->bad_input_rank = -1;
@@ -116,6 +118,12 @@ void IntranodeRuntime::read_tuning_overrides() {
   }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
+  if (const char* early = std::getenv("EP_PLUGIN_COMBINE_EARLY_ROWS")) combine_early_rows_ = std::atoi(early) != 0;
+  combine_copy_pieces_ = combine_early_rows_ ? 0 : 1;
+  if (const char* pieces = std::getenv("EP_PLUGIN_COMBINE_COPY_PIECES")) {
+    EP_CHECK_ARG(std::sscanf(pieces, "%d", &combine_copy_pieces_) == 1 && combine_copy_pieces_ >= 0,
+                 "EP_PLUGIN_COMBINE_COPY_PIECES must be an integer >= 0, got " << pieces);
+  }
 }
 
 void IntranodeRuntime::watch_for_device_errors() {
@@ -364,6 +372,7 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.staging_bytes = request.staging_bytes;
   args.epoch = ++staged_epoch_;
   args.pair_path = combine_pair_path_;
+  args.early_rows = combine_early_rows_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
 
@@ -388,6 +397,29 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
     }
   }
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+  // NOTE: queued last, so that nothing the host might block on stands before the copies the
+  // running reduction waits for.
+  release_staging(args, layout, side);
+}
+
+void IntranodeRuntime::release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                                       cudaStream_t side) {
+  // NOTE: after the reduction, off the caller's stream: the caller waits for the sums only. The next
+  // combine's reduction follows on `side`, and its senders copy once they see the release.
+  if (combine_early_rows_) {
+    // Every row and weight a source can have sent: each of this rank's tokens has at most one copy per rank.
+    const int64_t rows = std::min<int64_t>(args.num_tokens, layout.rows_capacity());
+    const int64_t weights = std::min<int64_t>(static_cast<int64_t>(args.num_tokens) * args.num_topk,
+                                              layout.rows_capacity() * intranode::kMaxTopk);
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (r == rank_ || rows == 0) continue;
+      uint8_t* region = static_cast<uint8_t*>(buffer_) + layout.region_offset(rank_, r);
+      CUDA_CHECK(cudaMemsetAsync(region, 0xff, rows * layout.row_bytes, side));
+      if (weights > 0) CUDA_CHECK(cudaMemsetAsync(region + layout.weights_offset(0, 1), 0xff, weights * 4, side));
+    }
+  }
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_) write_word(&static_cast<intranode::Header*>(peer_buffers_[r])->staged_released[rank_], args.epoch, side);
 }
 
 void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,
@@ -412,13 +444,20 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t rows_per_piece = layout.rows_per_piece;
-  // One piece per copy (larger copies measured slower: the owner waits longer for its first rows).
-  for (int64_t piece = 0, done = 0; done < rows; ++piece) {
+  for (int64_t piece = 0, done = 0; done < rows;) {
     const int slot = static_cast<int>(piece % layout.num_slots);
     if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
       wait_for_owner(&mine->staged_freed[owner][slot],
                      staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
-    const int64_t count = std::min(rows_per_piece, rows - done);
+    // The first round of slots (free, and summed as it lands) in copies of up to combine_copy_pieces_
+    // pieces; later pieces one per copy, each after its slot is freed.
+    int64_t pieces = 1;
+    if (piece < layout.num_slots) {
+      pieces = layout.num_slots - piece;
+      if (combine_copy_pieces_ > 0) pieces = std::min<int64_t>(pieces, combine_copy_pieces_);
+    }
+    const int64_t count = std::min(pieces * rows_per_piece, rows - done);
+    piece += pieces;
     const int64_t row = first + done;
     const int64_t staged = static_cast<int64_t>(slot) * rows_per_piece;
     CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,

@@ -98,10 +98,15 @@ class IntranodeRuntime {
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
+  // After the owner's reduction: refill its staging area with unlanded bytes (early rows) and tell
+  // every sender that the area is free for the next combine.
+  void release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                       cudaStream_t side);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
-  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_COMBINE_PAIR,
-  // EP_PLUGIN_COMBINE_SIGNAL_STREAM (docs/configuration.md).
+  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_DIRECT_CHUNK, EP_PLUGIN_COMBINE_PAIR,
+  // EP_PLUGIN_COMBINE_SIGNAL_STREAM, EP_PLUGIN_COMBINE_EARLY_ROWS, EP_PLUGIN_COMBINE_COPY_PIECES
+  // (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -135,6 +140,12 @@ class IntranodeRuntime {
   cudaEvent_t copy_landed_[kMaxNvlPeers] = {}, signals_done_[kMaxNvlPeers] = {};
   bool combine_signal_stream_ = true;
   bool combine_pair_path_ = true;
+  // EP_PLUGIN_COMBINE_EARLY_ROWS: the owner sums the first round of pieces as their rows land, so the
+  // first round goes out in copies of up to combine_copy_pieces_ pieces (EP_PLUGIN_COMBINE_COPY_PIECES;
+  // 0: the whole round). Without early rows, every piece is a copy of its own and the staging area
+  // is never refilled.
+  bool combine_early_rows_ = true;
+  int combine_copy_pieces_ = 0;
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

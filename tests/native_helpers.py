@@ -153,7 +153,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
 
     `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst_slack (padding
     rows past the most a rank can receive, T x R: num_worst_tokens = T x R + slack), bias (0-2),
-    config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
+    unlanded_words (0xffffffff words in the combine's inputs), config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
 
     Every rank makes every call of the case whatever its checks find; failed checks are raised at
     the end. (A rank that stopped at its first failed check would skip calls its peers still make,
@@ -212,6 +212,16 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
                   .to(torch.bfloat16).cuda())
     if got_rows > n:
         expert_out[n:] = float("nan")
+    combine_weights, want_combine_weights = got[2], want[2]
+    if case.get("unlanded_words"):
+        # 0xffffffff words: the copy-engine combine's mark for staged bytes not landed yet. Real
+        # outputs and weights may hold them (NaNs); they must still be summed, never waited on forever.
+        expert_out.view(torch.int32)[:n:3, :64] = -1
+        expert_out.view(torch.int32)[n // 2] = -1
+        if combine_weights is not None:
+            combine_weights = combine_weights.clone()
+            combine_weights.view(torch.int32)[:n:5, 0] = -1
+            want_combine_weights = combine_weights[:n]
     T = topk_idx.size(0)
     bias = None
     if case.get("bias", 0) >= 1:
@@ -220,8 +230,8 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
         bias = bias[0] if len(bias) == 1 else bias
     combine_config = case.get("combine_config")
     poison(native)
-    got_c = native.combine(expert_out, got[4], topk_weights=got[2], bias=bias, config=combine_config)
-    want_c = reference.combine(expert_out[:n], want[4], topk_weights=want[2], bias=bias)
+    got_c = native.combine(expert_out, got[4], topk_weights=combine_weights, bias=bias, config=combine_config)
+    want_c = reference.combine(expert_out[:n], want[4], topk_weights=want_combine_weights, bias=bias)
     # Across nodes with several ranks per node, each node's partial sum is rounded to bf16 before the
     # network leg (docs/internode.md, as DeepEP): up to 2^-8 of each partial's magnitude, bounded by
     # the sum of the copies' magnitudes (a collective call: every rank of such a group makes it).
@@ -232,7 +242,8 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
 
     def check_combine() -> None:
         if abs_sum is None:
-            torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+            # NaNs (from unlanded_words) must sit in the same places.
+            torch.testing.assert_close(got_c[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2, equal_nan=True)
         else:
             error = (got_c[0].float() - want_c[0].float()).abs()
             bound = 1e-2 + 1e-2 * want_c[0].float().abs() + 2.0 ** -7 * abs_sum
@@ -241,7 +252,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
         if weights is None:
             assert got_c[1] is None and want_c[1] is None
         else:
-            torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_c[1], want_c[1], rtol=1e-6, atol=1e-6, equal_nan=True)
 
     check("combine", check_combine)
 

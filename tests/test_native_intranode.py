@@ -46,7 +46,10 @@ CASES = NORMAL_MODE_CASES + (
        # 132 FP8 scales per token: more than the dispatch loads before the row copy (128), the rest after.
        dict(name="fp8_many_scales", T=256, H=16896, K=8, E=64, fp8=True),
        # More rows x top-k than a two-piece staging area's weights hold: each piece then carries its own.
-       dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64)]
+       dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64),
+       # Expert outputs and weights holding the copy-engine combine's not-landed mark (NaN words).
+       dict(name="unlanded_words", T=1200, H=4096, K=8, E=64, unlanded_words=True),
+       dict(name="unlanded_words_bias", T=600, H=2048, K=8, E=64, bias=1, unlanded_words=True)]
 )
 
 
@@ -99,7 +102,7 @@ def test_cases_multi_rank():
 SM_COMBINE_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "topk1", "topk9", "experts256", "routing_minus_one",
                     "routing_one_rank", "empty_rank", "no_weights", "bias2", "small_ring", "sms2", "large")
 WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank",
-                          "topk32_many_rows")
+                          "topk32_many_rows", "unlanded_words", "unlanded_words_bias")
 
 
 @needs_ranks(RANKS)

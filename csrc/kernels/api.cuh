@@ -123,7 +123,8 @@ struct StagedReduceArgs {
   const void* bias_1;
   void* combined_x;                 // [T, hidden] bf16
   float* combined_topk_weights;     // [T, K] or nullptr
-  bool pair_path;                   // tokens with at most two copies take sum_copy_pair
+  bool pair_path;                   // tokens with at most two copies take sum_own_and_staged
+  bool early_rows;                  // first-round rows are summed as they land (see kUnlandedWord)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

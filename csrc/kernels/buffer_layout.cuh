@@ -82,7 +82,6 @@ struct Header {
   uint32_t direct_fell_back;  // 1: the last direct dispatch found a rank without room; the ring kernel runs
   uint32_t direct_next_chunk;  // chunks of tokens the direct dispatch's warps have claimed in this call
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
-  uint32_t staged_blocks_done;
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 

@@ -19,37 +19,6 @@ __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank
 constexpr int kCombineUnroll = 4;
 constexpr int kSourcesInFlight = 2;
 
-// sum_token_copies for at most two copies and no bias (a combine of 2 ranks): with no fp32
-// accumulator array to keep, a lane holds kPairUnroll units of both copies in flight, twice the
-// general path's bytes. The same sum in the same order (first + second, rounded once); no copy at
-// all (first == nullptr) gives zeros. NOTE: a kernel takes either path, never both: the two inlined
-// side by side made the kernel spill registers.
-constexpr int kPairUnroll = 8;
-
-__device__ __forceinline__ void sum_copy_pair(const int4* first, bool first_own, const int4* second, bool second_own,
-                                              int num_units, int4* out) {
-  const int lane = lane_id();
-  for (int base = 0; base < num_units; base += 32 * kPairUnroll) {
-    int4 a[kPairUnroll], b[kPairUnroll];
-#pragma unroll
-    for (int u = 0; u < kPairUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i >= num_units || first == nullptr) continue;
-      a[u] = first_own ? ld_nc_v4(first + i) : ld_cg_v4(first + i);
-      if (second != nullptr) b[u] = second_own ? ld_nc_v4(second + i) : ld_cg_v4(second + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kPairUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i >= num_units) continue;
-      float acc[8] = {};
-      if (first != nullptr) add_bf16x8(acc, a[u]);
-      if (second != nullptr) add_bf16x8(acc, b[u]);
-      st_na_v4(out + i, to_bf16x8(acc));
-    }
-  }
-}
-
 // One warp sums a token's copies (src[r] is rank r's copy, or nullptr) in fp32, adds the optional
 // biases and stores the bf16 row. Rank `own`'s copy is user memory, read through the read-only path;
 // the others were written by peers into this rank's buffer and are read from L2.

@@ -1,12 +1,12 @@
 // Copy-engine combine: the kernels on the owner's side and the sender's waits.
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
-// source rank), so the host copies them into o's staging area with the copy engines, a piece per
-// copy on one stream per owner; after each copy a signal stream counts the rows
-// landed in o's header (runtime.cu). No SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp
-// takes tokens in order, waits (on its own header) for the rows that hold their copies, sums
-// them with its own copy, and frees a piece's staging slot for its sender once every row of it is
-// summed. The last block to finish tells every sender that o has released this combine's area.
+// source rank), so the host copies them into o's staging area with the copy engines, on one stream
+// per owner; after each copy a signal stream counts the rows landed in o's header (runtime.cu). No
+// SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes tokens in order,
+// sums each token's staged copies with its own copy as they land (see kUnlandedWord), and frees a
+// piece's staging slot for its sender once every row of it is summed. After the kernel, the host
+// refills the area with unlanded bytes and then tells every sender that o has released it.
 // Every progress word is written where its waiter polls it, so no wait reads across NVLink.
 #include "../common/exception.cuh"
 #include "api.cuh"
@@ -27,6 +27,97 @@ __device__ __forceinline__ uint32_t wait_for_epoch(const uint64_t* word, uint32_
   }
 }
 
+// Early rows: the owner sums a staged row while the copy engine may still be writing it, so that a
+// copy can be large (the engine moves large copies faster) without the owner waiting for all of it.
+// Every combine starts with its staging area filled with 0xff bytes (the host refills it after each
+// reduction), so a 32-bit word that still reads kUnlandedWord has not landed. A real word of that
+// value (a NaN pattern) only makes the owner wait for its source's landed count, which is final.
+// NOTE: relies on aligned 32-bit words landing whole; a unit's four words may land at different times.
+constexpr int kUnlandedWord = -1;
+
+__device__ __forceinline__ bool has_unlanded_word(const int4& v) {
+  return (v.x == kUnlandedWord) | (v.y == kUnlandedWord) | (v.z == kUnlandedWord) | (v.w == kUnlandedWord);
+}
+
+// How a staged row's landing is reported: its source's landed word reaches staged_word(epoch, count).
+// count == 0: the row is known to have landed.
+struct Landing {
+  const uint64_t* word;
+  uint32_t epoch;
+  uint32_t count;
+  int source;
+
+  __device__ __forceinline__ bool known() const { return count == 0; }
+  __device__ __forceinline__ bool reported() const { return ld_acquire_sys(word) >= staged_word(epoch, count); }
+};
+
+__device__ __forceinline__ Landing landing_of(const StagedReduceArgs& a, const Header* me, int source, uint32_t count) {
+  return Landing{&me->staged_landed[source], a.epoch, count, source};
+}
+
+// Re-reads a staged unit until none of its words is unlanded or its row is reported landed.
+// NOTE: the acquire comes before the re-read, so a read after the report sees the landed bytes.
+__device__ __forceinline__ int4 wait_for_unit(const int4* unit, Landing landing, const WaitSite& site) {
+  Deadline deadline(site);
+  while (true) {
+    const bool reported = landing.reported();
+    const int4 value = ld_cg_v4(unit);
+    if (reported || !has_unlanded_word(value)) return value;
+    deadline.check(kWaitStagedRows, landing.source, landing.count, 0);
+  }
+}
+
+__device__ __forceinline__ float wait_for_weight(const float* weight, Landing landing, const WaitSite& site) {
+  Deadline deadline(site);
+  while (true) {
+    const bool reported = landing.reported();
+    const float value = ld_cg_f32(weight);
+    if (reported || __float_as_int(value) != kUnlandedWord) return value;
+    deadline.check(kWaitStagedRows, landing.source, landing.count, 0);
+  }
+}
+
+// One warp waits until every unit of a staged row has landed (the general path reads the row again to sum it).
+__device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site) {
+  for (int i = lane_id(); i < num_units; i += 32)
+    if (has_unlanded_word(ld_cg_v4(row + i))) wait_for_unit(row + i, landing, site);
+}
+
+// The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
+// either may be absent. With no fp32 accumulator array to keep, a lane holds kPairUnroll units of
+// both copies in flight, twice sum_token_copies' bytes; two copies sum to the same value in either
+// order.
+// NOTE: a kernel takes either this or sum_token_copies, never both: the two inlined side by side
+// made the kernel spill registers.
+constexpr int kPairUnroll = 8;
+
+__device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* staged, Landing landing, int num_units,
+                                                   int4* out, const WaitSite& site) {
+  const int lane = lane_id();
+  for (int base = 0; base < num_units; base += 32 * kPairUnroll) {
+    int4 a[kPairUnroll], b[kPairUnroll];
+#pragma unroll
+    for (int u = 0; u < kPairUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i >= num_units) continue;
+      if (own != nullptr) a[u] = ld_nc_v4(own + i);
+      if (staged != nullptr) b[u] = ld_cg_v4(staged + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kPairUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i >= num_units) continue;
+      float acc[8] = {};
+      if (own != nullptr) add_bf16x8(acc, a[u]);
+      if (staged != nullptr) {
+        if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_unit(staged + i, landing, site);
+        add_bf16x8(acc, b[u]);
+      }
+      st_na_v4(out + i, to_bf16x8(acc));
+    }
+  }
+}
+
 // What lane s (a source rank) knows about source s's rows in this combine.
 struct SourceState {
   bool known = false;  // base and rows read from the header
@@ -35,11 +126,15 @@ struct SourceState {
   int landed = 0;      // rows seen landed
 };
 
-// Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`,
-// after waiting for its piece; sets `piece` and `weights_index` (where the row's top-k weights are).
-__device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
-                                                       const Header* me, SourceState& state, int source, int pos,
-                                                       int& piece, int64_t& weights_index, const WaitSite& site) {
+// Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`;
+// sets `piece`, `weights_index` (where the row's top-k weights are) and `unlanded` (the landed count
+// that reports the row, 0 when it is known to have landed).
+// Rows of the first round of slots are read early (see kUnlandedWord). A later piece reuses a slot
+// whose earlier rows other warps may still be summing, so its rows are read once reported landed.
+__device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
+                                                   const Header* me, SourceState& state, int source, int pos,
+                                                   int& piece, int64_t& weights_index, uint32_t& unlanded,
+                                                   const WaitSite& site) {
   if (!state.known) {
     state.rows = static_cast<int>(wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site));
     state.base = static_cast<int>(wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site));
@@ -48,14 +143,19 @@ __device__ __forceinline__ int64_t wait_for_staged_row(const StagedReduceArgs& a
   const int index = pos - state.base;
   piece = index / layout.rows_per_piece;
   const int slot = piece % layout.num_slots;
+  unlanded = 0;
   if (state.landed <= index) {
-    // One copy stream per owner: copies land in order, and the word counts the rows landed.
-    const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(index + 1));
-    Deadline deadline(site);
-    uint64_t value;
-    while ((value = ld_acquire_sys(&me->staged_landed[source])) < target)
-      deadline.check(kWaitStagedRows, source, index + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
-    state.landed = static_cast<int>(static_cast<uint32_t>(value));
+    if (a.early_rows && piece < layout.num_slots) {
+      unlanded = static_cast<uint32_t>(index + 1);
+    } else {
+      // One copy stream per owner: copies land in order, and the word counts the rows landed.
+      const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(index + 1));
+      Deadline deadline(site);
+      uint64_t value;
+      while ((value = ld_acquire_sys(&me->staged_landed[source])) < target)
+        deadline.check(kWaitStagedRows, source, index + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
+      state.landed = static_cast<int>(static_cast<uint32_t>(value));
+    }
   }
   const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece + index % layout.rows_per_piece;
   weights_index = layout.weights_fit_whole(state.rows, a.num_topk) ? index : staged;
@@ -76,7 +176,31 @@ __device__ __forceinline__ void count_summed_row(const StagedReduceArgs& a, cons
   }
 }
 
-// kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_copy_pair).
+// Lane k < num_topk: weight k of a token summed over its copies (own: user memory), in rank order as
+// sum_token_copies adds rows.
+template <int kSources>
+__device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, const Header* me,
+                                                    const float* const (&weights)[kSources],
+                                                    const uint32_t (&unlanded)[kSources], const WaitSite& site) {
+  const int lane = lane_id();
+  float sum = 0.f;
+#pragma unroll
+  for (int r = 0; r < kSources; ++r) {
+    if (weights[r] == nullptr || lane >= a.num_topk) continue;
+    if (r == a.rank) {
+      sum += weights[r][lane];
+      continue;
+    }
+    const float* weight = weights[r] + lane;
+    float value = ld_cg_f32(weight);
+    if (unlanded[r] != 0 && __float_as_int(value) == kUnlandedWord)
+      value = wait_for_weight(weight, landing_of(a, me, r, unlanded[r]), site);
+    sum += value;
+  }
+  return sum;
+}
+
+// kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged).
 template <bool kPair>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(StagedReduceArgs a) {
   Header* me = header_of(a.peer_buffers, a.rank);
@@ -93,66 +217,64 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
+  constexpr int kSources = kPair ? 2 : kMaxNvlPeers;  // ranks whose copies a token may have
 
-  // Warps take tokens in order across the grid, so the first pieces to land are summed first.
+  // Warps take tokens in order across the grid, so the first rows to land are summed first.
   const int num_warps = gridDim.x * kWarpsPerChannel;
   for (int t = blockIdx.x * kWarpsPerChannel + warp; t < a.num_tokens; t += num_warps) {
     const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
     int piece = -1;
     int64_t staged = -1, weights_index = -1;
+    uint32_t unlanded = 0;
     if (is_source && pos >= 0)
-      staged = wait_for_staged_row(a, layout, me, state, lane, pos, piece, weights_index, site);
+      staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
 
-    const int4* src[kMaxNvlPeers];
-    const float* src_weights[kMaxNvlPeers];
+    const int4* src[kSources];
+    const float* src_weights[kSources];
+    uint32_t unlanded_of[kSources];
 #pragma unroll
-    for (int r = 0; r < kMaxNvlPeers; ++r) {
+    for (int r = 0; r < kSources; ++r) {
       const int row = shfl(pos, r < R ? r : 0);
       const int64_t index = shfl(staged, r < R ? r : 0);
       const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
       const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(region), r < R ? r : 0));
+      unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
       src[r] = nullptr;
       src_weights[r] = nullptr;
       if (r >= R || row < 0) continue;
       if (r == a.rank) {
         src[r] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2);
-        src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
+        if (a.topk_weights != nullptr) src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
       } else {
         src[r] = reinterpret_cast<const int4*>(base + layout.row_offset(index));
         src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
       }
     }
+    // The weights first: their arrays are then dead during the rows' sum.
+    if (a.combined_topk_weights != nullptr) {
+      const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, site);
+      if (lane < a.num_topk)
+        a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+    }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
     int4* out = reinterpret_cast<int4*>(a.combined_x) + row_units;
     if constexpr (kPair) {
-      // The copies in rank order, as sum_token_copies adds them.
-      const bool has_0 = src[0] != nullptr;
-      sum_copy_pair(has_0 ? src[0] : src[1], has_0 ? a.rank == 0 : a.rank == 1, has_0 ? src[1] : nullptr, a.rank == 1,
-                    num_units, out);
+      // NOTE: static indices keep the arrays in registers.
+      const bool first = a.rank == 0;
+      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0],
+                         landing_of(a, me, first ? 1 : 0, first ? unlanded_of[1] : unlanded_of[0]), num_units, out, site);
     } else {
+#pragma unroll
+      for (int r = 0; r < kMaxNvlPeers; ++r)
+        if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
+          wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
                        bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
     }
-    if (a.combined_topk_weights != nullptr)
-      sum_token_weights(src_weights, a.rank, a.num_topk, a.combined_topk_weights + static_cast<int64_t>(t) * a.num_topk);
     __syncwarp();
     if (piece >= 0) count_summed_row(a, layout, me, state, lane, piece);
-  }
-
-  // The last block out releases this combine's staging areas to their senders.
-  __shared__ bool last_block;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_block = atomicAdd(&me->staged_blocks_done, 1u) + 1u == gridDim.x;
-    if (last_block) me->staged_blocks_done = 0;
-  }
-  __syncthreads();
-  if (last_block && threadIdx.x < R && threadIdx.x != a.rank) {
-    __threadfence();
-    st_release_sys(&header_of(a.peer_buffers, threadIdx.x)->staged_released[a.rank], a.epoch);
   }
 }
 
