@@ -38,6 +38,11 @@ constexpr int kUnlandedWord = -1;
 __device__ __forceinline__ bool has_unlanded_word(const int4& v) {
   return (v.x == kUnlandedWord) | (v.y == kUnlandedWord) | (v.z == kUnlandedWord) | (v.w == kUnlandedWord);
 }
+__device__ __forceinline__ bool has_unlanded_word(float v) { return __float_as_int(v) == kUnlandedWord; }
+
+// Staged bytes are read through L2 only: a re-read must never hit a stale L1 line.
+__device__ __forceinline__ int4 load_staged(const int4* at) { return load_unit<Load::kL2Only>(at); }
+__device__ __forceinline__ float load_staged(const float* at) { return load_f32<Load::kL2Only>(at); }
 
 // How a staged row's landing is reported: its source's landed word reaches staged_word(epoch, count).
 // count == 0: the row is known to have landed.
@@ -55,24 +60,16 @@ __device__ __forceinline__ Landing landing_of(const StagedReduceArgs& a, const H
   return Landing{&me->staged_landed[source], a.epoch, count, source};
 }
 
-// Re-reads a staged unit until none of its words is unlanded or its row is reported landed.
+// Re-reads a staged unit (int4) or weight (float) until no word of it is unlanded or its row is
+// reported landed.
 // NOTE: the acquire comes before the re-read, so a read after the report sees the landed bytes.
-__device__ __forceinline__ int4 wait_for_unit(const int4* unit, Landing landing, const WaitSite& site) {
+template <typename T>
+__device__ __forceinline__ T wait_for_landed(const T* at, Landing landing, const WaitSite& site) {
   Deadline deadline(site);
   while (true) {
     const bool reported = landing.reported();
-    const int4 value = ld_cg_v4(unit);
+    const T value = load_staged(at);
     if (reported || !has_unlanded_word(value)) return value;
-    deadline.check(kWaitStagedRows, landing.source, landing.count, 0);
-  }
-}
-
-__device__ __forceinline__ float wait_for_weight(const float* weight, Landing landing, const WaitSite& site) {
-  Deadline deadline(site);
-  while (true) {
-    const bool reported = landing.reported();
-    const float value = ld_cg_f32(weight);
-    if (reported || __float_as_int(value) != kUnlandedWord) return value;
     deadline.check(kWaitStagedRows, landing.source, landing.count, 0);
   }
 }
@@ -80,7 +77,7 @@ __device__ __forceinline__ float wait_for_weight(const float* weight, Landing la
 // One warp waits until every unit of a staged row has landed (the general path reads the row again to sum it).
 __device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site) {
   for (int i = lane_id(); i < num_units; i += 32)
-    if (has_unlanded_word(ld_cg_v4(row + i))) wait_for_unit(row + i, landing, site);
+    if (has_unlanded_word(load_staged(row + i))) wait_for_landed(row + i, landing, site);
 }
 
 // The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
@@ -101,7 +98,7 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* 
       const int i = base + u * 32 + lane;
       if (i >= num_units) continue;
       if (own != nullptr) a[u] = ld_nc_v4(own + i);
-      if (staged != nullptr) b[u] = ld_cg_v4(staged + i);
+      if (staged != nullptr) b[u] = load_staged(staged + i);
     }
 #pragma unroll
     for (int u = 0; u < kPairUnroll; ++u) {
@@ -110,7 +107,7 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* 
       float acc[8] = {};
       if (own != nullptr) add_bf16x8(acc, a[u]);
       if (staged != nullptr) {
-        if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_unit(staged + i, landing, site);
+        if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_landed(staged + i, landing, site);
         add_bf16x8(acc, b[u]);
       }
       st_na_v4(out + i, to_bf16x8(acc));
@@ -192,9 +189,8 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
       continue;
     }
     const float* weight = weights[r] + lane;
-    float value = ld_cg_f32(weight);
-    if (unlanded[r] != 0 && __float_as_int(value) == kUnlandedWord)
-      value = wait_for_weight(weight, landing_of(a, me, r, unlanded[r]), site);
+    float value = load_staged(weight);
+    if (unlanded[r] != 0 && has_unlanded_word(value)) value = wait_for_landed(weight, landing_of(a, me, r, unlanded[r]), site);
     sum += value;
   }
   return sum;
@@ -267,7 +263,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
                          landing_of(a, me, first ? 1 : 0, first ? unlanded_of[1] : unlanded_of[0]), num_units, out, site);
     } else {
 #pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r)
+      for (int r = 0; r < kSources; ++r)
         if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
           wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
