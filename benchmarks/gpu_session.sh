@@ -21,6 +21,9 @@
 #   probe      benchmarks/link_probe.cu: the link by copy engine (push, pull) and by SM stores and loads
 #              (PROBE_ARGS="58.7 rows": only the dispatch-shaped rows and what local traffic costs them;
 #              "58.7 roles": local row copies by SM count and the dispatch's jobs split over separate SMs)
+#   waitprobe  benchmarks/stream_wait_probe.cu: how soon a copy starts after the word it waits for is
+#              written (one-thread wait kernel, cuStreamWaitValue64, cuStreamBatchMemOp, an event);
+#              GPU 0 -> GPU 1 where there are two GPUs, else on one GPU
 #   variants   one bench run (BF16, 24 SMs, no baseline) per line of VARIANTS: "name|ENV=value ...|bench args"
 #              (the diagnostic environment variables of docs/configuration.md, or --config FILE)
 #   tuning     ring/chunk settings: TUNING_PAIRS="send:recv ..." (default "8:256 16:512"), 24 SMs
@@ -199,6 +202,10 @@ for s in $STAGES; do
     probe)  # what the link carries by who moves the bytes (benchmarks/link_probe.cu)
       stage probe nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/link_probe.cu && \
         stage probe /tmp/link_probe ${PROBE_ARGS:-}
+      ;;
+    waitprobe)  # how soon a copy follows the word it waits for (benchmarks/stream_wait_probe.cu)
+      stage probe nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/stream_wait_probe benchmarks/stream_wait_probe.cu && \
+        stage probe timeout -k 5 "${WAIT_PROBE_TIMEOUT:-90}" /tmp/stream_wait_probe --peer ${WAIT_PROBE_ARGS:-}
       ;;
     variants)  # BF16, 24 SMs: each VARIANTS entry "name|ENV=value ...|bench args" as its own bench run
       while IFS='|' read -r name envs args; do

@@ -11,9 +11,18 @@
 
 namespace ep_plugin {
 
-constexpr int kBulkStages = 8;                    // pieces of shared memory per warp
-constexpr int kBulkLoadsAhead = kBulkStages - 2;  // one stage being stored, one still read by the store before it
-constexpr int kBulkMaxPieceBytes = 1792;
+// Diagnostic builds may change the pipeline's shape (EP_PLUGIN_NVCC_FLAGS="-DEP_PLUGIN_BULK_STAGES=4
+// -DEP_PLUGIN_BULK_PIECE_BYTES=3584"); its shared memory must stay within a block's 227 KB.
+#ifndef EP_PLUGIN_BULK_STAGES
+#define EP_PLUGIN_BULK_STAGES 8
+#endif
+#ifndef EP_PLUGIN_BULK_PIECE_BYTES
+#define EP_PLUGIN_BULK_PIECE_BYTES 1792
+#endif
+constexpr int kBulkStages = EP_PLUGIN_BULK_STAGES;  // pieces of shared memory per warp
+constexpr int kBulkLoadsAhead = kBulkStages - 2;    // one stage being stored, one still read by the store before it
+constexpr int kBulkMaxPieceBytes = EP_PLUGIN_BULK_PIECE_BYTES;
+static_assert(kBulkStages >= 3 && kBulkMaxPieceBytes % 16 == 0, "the bulk pipeline needs 3 stages of 16-byte multiples");
 
 // Dynamic shared memory for `warps` warps: their stages, then their mbarriers.
 __host__ __device__ constexpr int bulk_rows_shared_bytes(int warps) {
