@@ -22,73 +22,46 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                               \
-  do {                                                                                            \
-    cudaError_t err_ = (call);                                                                    \
-    if (err_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));          \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
-#define CHECK_CU(call)                                                                            \
-  do {                                                                                            \
-    CUresult res_ = (call);                                                                       \
-    if (res_ != CUDA_SUCCESS) {                                                                   \
-      std::fprintf(stderr, "%s:%d: CUresult %d\n", __FILE__, __LINE__, static_cast<int>(res_));  \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+#include "../csrc/common/ptx.cuh"
+#include "probe_check.h"
 
 namespace {
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+using ep_plugin::global_timer_ns;
+using ep_plugin::ld_acquire_sys;
+using ep_plugin::st_release_sys;
 
 // Every spin gives up after this long, so that a probe that goes wrong ends instead of hanging.
 constexpr uint64_t kGiveUpNs = 2000000000ull;
 
 // Sleeps `delay_ns`, then stamps the time and writes `value` to `word`.
 __global__ void write_word_later(uint64_t* word, uint64_t value, uint64_t delay_ns, uint64_t* stamp) {
-  const uint64_t start = global_ns();
-  while (global_ns() - start < delay_ns) {
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < delay_ns) {
   }
-  *stamp = global_ns();
+  *stamp = global_timer_ns();
   __threadfence_system();
-  store_release(word, value);
+  st_release_sys(word, value);
 }
 
 // The sender's wait as the combine's staging_wait_kernel makes it: poll, then two release writes.
 __global__ void wait_then_write(const uint64_t* word, uint64_t target, uint64_t* then_0, uint64_t* then_1) {
-  const uint64_t start = global_ns();
-  while (load_acquire(word) < target && global_ns() - start < kGiveUpNs) {
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys(word) < target && global_timer_ns() - start < kGiveUpNs) {
   }
-  store_release(then_0, target);
-  store_release(then_1, target);
+  st_release_sys(then_0, target);
+  st_release_sys(then_1, target);
 }
 
 // Stamps when the first and the last unit of `dst` stop reading `poison`.
 __global__ void watch_landing(const volatile int4* first, const volatile int4* last, int poison, uint64_t* stamps) {
-  const uint64_t start = global_ns();
-  while (first->x == poison && global_ns() - start < kGiveUpNs) {
+  const uint64_t start = global_timer_ns();
+  while (first->x == poison && global_timer_ns() - start < kGiveUpNs) {
   }
-  stamps[0] = global_ns();
-  while (last->x == poison && global_ns() - start < kGiveUpNs) {
+  stamps[0] = global_timer_ns();
+  while (last->x == poison && global_timer_ns() - start < kGiveUpNs) {
   }
-  stamps[1] = global_ns();
+  stamps[1] = global_timer_ns();
 }
 
 // Driver functions through the runtime's entry points (no link against libcuda).
