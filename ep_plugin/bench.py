@@ -183,7 +183,10 @@ def _make_config(s: BenchSettings, backend: Optional[str]) -> EpConfig:
     return load_config(s.config_path, overrides=overrides)
 
 
-def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.device) -> dict:
+def _rank_inputs(rank: int, group, s: BenchSettings, device: torch.device):
+    """This rank's generator (seeded by the seed and the rank; later draws continue from it), the buffer
+    under test, the reference (when a baseline or a check needs it), and its inputs: bf16 rows, random
+    top-k routing and weights."""
     generator = torch.Generator().manual_seed(s.seed * 1000 + rank)
     buffer = Buffer.from_config(group, _make_config(s, s.backend), explicitly_destroy=True)
     reference = Buffer.from_config(group, _make_config(s, "reference"), explicitly_destroy=True) \
@@ -191,6 +194,11 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
     x = torch.randn(s.num_tokens, s.hidden, generator=generator).to(torch.bfloat16).to(device)
     topk_idx = random_routing(s.num_tokens, s.num_experts, s.num_topk, device, generator)
     topk_weights = torch.rand(s.num_tokens, s.num_topk, generator=generator).to(device)
+    return generator, buffer, reference, x, topk_idx, topk_weights
+
+
+def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.device) -> dict:
+    generator, buffer, reference, x, topk_idx, topk_weights = _rank_inputs(rank, group, s, device)
     payload = per_token_fp8(x) if s.dtype == "fp8" else x
 
     layouts = {}
@@ -263,13 +271,7 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
 
 
 def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.device) -> dict:
-    generator = torch.Generator().manual_seed(s.seed * 1000 + rank)
-    buffer = Buffer.from_config(group, _make_config(s, s.backend), explicitly_destroy=True)
-    reference = Buffer.from_config(group, _make_config(s, "reference"), explicitly_destroy=True) \
-        if (s.baseline or s.check) else None
-    x = torch.randn(s.num_tokens, s.hidden, generator=generator).to(torch.bfloat16).to(device)
-    topk_idx = random_routing(s.num_tokens, s.num_experts, s.num_topk, device, generator)
-    topk_weights = torch.rand(s.num_tokens, s.num_topk, generator=generator).to(device)
+    generator, buffer, reference, x, topk_idx, topk_weights = _rank_inputs(rank, group, s, device)
     use_fp8 = s.dtype == "fp8"
 
     def run_dispatch(buf: Buffer):
