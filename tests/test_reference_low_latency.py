@@ -2,7 +2,7 @@
 
 low_latency_dispatch (bf16; FP8 with float scales, rounded scales and UE8M0), low_latency_combine
 (out=, zero_copy, hooks, entries masked after dispatch), cumulative statistics, T = 0 and
-T = T_max on 2 and 4 ranks, compared with tests/dense_oracle.py; bad input is rejected. One
+T = T_max on 2, 4 and 8 ranks, compared with tests/dense_oracle.py; bad input is rejected. One
 process launch per world size runs every case; each test reports one case. Shapes and data are
 random every run: set EP_TEST_SEED to replay a run (failures print it).
 
@@ -26,7 +26,7 @@ from ep_plugin import fp8
 from ep_plugin.launch import parallel_launch
 
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (2, 4, 8)
 
 
 # ---- FP8 against the spec, with scalar float32 arithmetic ---------------------------------------------

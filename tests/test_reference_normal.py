@@ -1,7 +1,7 @@
 """Reference backend, normal mode, through the public `ep_plugin.Buffer`.
 
 get_dispatch_layout, dispatch (bf16 and FP8 tuples, weights, alignment, num_worst_tokens padding),
-cached dispatch and combine (0/1/2 biases) on 2 and 4 ranks, compared with tests/dense_oracle.py.
+cached dispatch and combine (0/1/2 biases) on 2, 4 and 8 ranks, compared with tests/dense_oracle.py.
 One process launch per world size runs every case (a launch costs seconds); each test reports one
 case. Shapes and data are random every run: set EP_TEST_SEED to replay a run (failures print it).
 Runs on CPU with gloo; on a machine with enough GPUs the same tests run on CUDA with NCCL.
@@ -21,7 +21,7 @@ import ep_plugin
 from ep_plugin.launch import parallel_launch
 
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (2, 4, 8)
 
 
 # ---- inputs ----------------------------------------------------------------------------------------
