@@ -130,6 +130,42 @@ const char* name_of(Variant v) {
   }
 }
 
+struct DriverOps {
+  WaitValue64 wait_value_64;
+  BatchMemOp batch_mem_op;
+};
+
+// Queues on `sender` the wait of variant `v` for *word >= target (kEvent: nothing; its copy is queued
+// behind the writer instead).
+void queue_wait(Variant v, const DriverOps& ops, cudaStream_t sender, uint64_t* word, uint64_t target,
+                uint64_t* then_words) {
+  switch (v) {
+    case Variant::kKernel:
+      wait_then_write<<<1, 1, 0, sender>>>(word, target, then_words, then_words + 1);
+      break;
+    case Variant::kStream:
+      CHECK_CU(ops.wait_value_64(reinterpret_cast<CUstream>(sender), reinterpret_cast<CUdeviceptr>(word), target,
+                                 CU_STREAM_WAIT_VALUE_GEQ));
+      break;
+    case Variant::kBatch: {
+      CUstreamBatchMemOpParams params[3] = {};
+      params[0].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      params[0].waitValue.address = reinterpret_cast<CUdeviceptr>(word);
+      params[0].waitValue.value64 = target;
+      params[0].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+      for (int i = 1; i < 3; ++i) {
+        params[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+        params[i].writeValue.address = reinterpret_cast<CUdeviceptr>(then_words + i - 1);
+        params[i].writeValue.value64 = target;
+      }
+      CHECK_CU(ops.batch_mem_op(reinterpret_cast<CUstream>(sender), 3, params, 0));
+      break;
+    }
+    case Variant::kEvent:
+      break;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,15 +184,14 @@ int main(int argc, char** argv) {
   }
   CHECK(cudaSetDevice(src_gpu));
   CHECK(cudaFree(nullptr));  // the runtime initialises the driver
-  const auto wait_value_64 = driver_function<WaitValue64>("cuStreamWaitValue64");
-  const auto batch_mem_op = driver_function<BatchMemOp>("cuStreamBatchMemOp");
+  const DriverOps ops{driver_function<WaitValue64>("cuStreamWaitValue64"),
+                      driver_function<BatchMemOp>("cuStreamBatchMemOp")};
   int has_64 = 0;
   CHECK_CU(driver_function<DeviceGetAttribute>("cuDeviceGetAttribute")(
       &has_64, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, static_cast<CUdevice>(src_gpu)));
 
   // The word and the announcement words live on the sender's GPU (the owner writes the word there);
   // stamps in mapped host memory.
-  CHECK(cudaSetDevice(src_gpu));
   uint64_t *word, *then_words;
   CHECK(cudaMalloc(&word, 8));
   CHECK(cudaMalloc(&then_words, 16));
@@ -208,31 +243,7 @@ int main(int argc, char** argv) {
       // The observer and the sender's wait go first, so both are in place before the word is written.
       watch_landing<<<1, 1, 0, observer>>>(dst, last, poison, stamps + 1);
       CHECK(cudaSetDevice(src_gpu));
-      switch (v) {
-        case Variant::kKernel:
-          wait_then_write<<<1, 1, 0, sender>>>(word, epoch, then_words, then_words + 1);
-          break;
-        case Variant::kStream:
-          CHECK_CU(wait_value_64(reinterpret_cast<CUstream>(sender), reinterpret_cast<CUdeviceptr>(word), epoch,
-                                       CU_STREAM_WAIT_VALUE_GEQ));
-          break;
-        case Variant::kBatch: {
-          CUstreamBatchMemOpParams ops[3] = {};
-          ops[0].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-          ops[0].waitValue.address = reinterpret_cast<CUdeviceptr>(word);
-          ops[0].waitValue.value64 = epoch;
-          ops[0].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-          for (int i = 1; i < 3; ++i) {
-            ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-            ops[i].writeValue.address = reinterpret_cast<CUdeviceptr>(then_words + i - 1);
-            ops[i].writeValue.value64 = epoch;
-          }
-          CHECK_CU(batch_mem_op(reinterpret_cast<CUstream>(sender), 3, ops, 0));
-          break;
-        }
-        case Variant::kEvent:
-          break;  // queued after the writer, below
-      }
+      queue_wait(v, ops, sender, word, epoch, then_words);
       if (v != Variant::kEvent) CHECK(cudaMemcpyAsync(dst, src, o.bytes, cudaMemcpyDeviceToDevice, sender));
       CHECK(cudaSetDevice(writer_gpu));
       write_word_later<<<1, 1, 0, writer>>>(word, epoch, static_cast<uint64_t>(o.delay_us * 1000), stamps);
@@ -253,7 +264,6 @@ int main(int argc, char** argv) {
     std::printf("%-8s %10.1f / %6.1f / %6.1f %10.1f / %6.1f / %6.1f\n", name_of(v), s.median, s.min, s.max, c.median,
                 c.min, c.max);
   }
-  std::printf("(median / min / max; a copy of %.1f MB at the copy time above moves %s)\n", o.bytes / 1048576.0,
-              "bytes / time");
+  std::printf("(median / min / max)\n");
   return 0;
 }

@@ -98,6 +98,9 @@ __device__ __forceinline__ T shfl(T value, int src_lane) {
 __device__ __forceinline__ void* shfl_ptr(void* ptr, int src_lane) {
   return reinterpret_cast<void*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(ptr), src_lane));
 }
+__device__ __forceinline__ const void* shfl_ptr(const void* ptr, int src_lane) {
+  return shfl_ptr(const_cast<void*>(ptr), src_lane);
+}
 
 // Programmatic dependent launch (sm_90 on): launch_dependents lets the next kernel of the stream, if it
 // was launched with cudaLaunchAttributeProgrammaticStreamSerialization, start once every block of this

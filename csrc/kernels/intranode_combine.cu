@@ -165,7 +165,7 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
         owns_ring ? ring + static_cast<int64_t>(consumed % layout.slots) * layout.slot_bytes : nullptr;
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r) {
-      const uint8_t* slot = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(own_slot), r < R ? r : 0));
+      const uint8_t* slot = static_cast<const uint8_t*>(shfl_ptr(own_slot, r < R ? r : 0));
       const int row = shfl(pos, r < R ? r : 0);
       src[r] = nullptr;
       src_weights[r] = nullptr;

@@ -269,7 +269,7 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
     for (int s = 0; s < R; ++s) {
       if (s == a.rank) continue;
       const uint32_t begin = shfl(consumed, s), end = shfl(available, s);
-      const uint8_t* src_ring = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(ring), s));
+      const uint8_t* src_ring = static_cast<const uint8_t*>(shfl_ptr(ring, s));
       for (uint32_t i = begin; i < end; ++i)
         copy_slot_to_outputs(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
       progressed |= end != begin;

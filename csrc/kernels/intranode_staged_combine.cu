@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       const int row = shfl(pos, r < R ? r : 0);
       const int64_t index = shfl(staged, r < R ? r : 0);
       const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
-      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(const_cast<uint8_t*>(region), r < R ? r : 0));
+      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
       unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
       src[r] = nullptr;
       src_weights[r] = nullptr;
