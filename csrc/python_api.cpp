@@ -73,13 +73,14 @@ void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintp
   runtime.notify(args, as_stream(stream));
 }
 
-void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
+bool runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
                       int num_tokens,
                       int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
                       uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                       uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream,
-                      bool direct, int64_t num_recv_rows, bool has_room) {
+                      bool direct, int64_t num_recv_rows, bool has_room, int64_t staging_bytes,
+                      uintptr_t side_stream, uintptr_t recv_rank_offsets, uintptr_t cached_src_idx) {
   intranode::DispatchArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
@@ -101,8 +102,15 @@ void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
   args.num_worst_tokens = num_worst_tokens;
   args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  if (direct) runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream));
-  else runtime.dispatch(args, as_stream(stream));
+  args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets", false);
+  args.cached_src_idx = pointer<const int32_t>(cached_src_idx, "cached_src_idx", false);
+  if (!direct) {
+    EP_CHECK_ARG(staging_bytes == 0, "copy-engine dispatch rows need the direct dispatch (direct=True)");
+    runtime.dispatch(args, as_stream(stream));
+    return false;
+  }
+  const StagedDispatch staged{staging_bytes, as_stream(side_stream)};
+  return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream), staging_bytes > 0 ? &staged : nullptr);
 }
 
 void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
@@ -323,10 +331,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
            py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"), py::arg("direct") = false,
-           py::arg("num_recv_rows") = 0, py::arg("has_room") = true,
+           py::arg("num_recv_rows") = 0, py::arg("has_room") = true, py::arg("staging_bytes") = 0,
+           py::arg("side_stream") = 0, py::arg("recv_rank_offsets") = 0, py::arg("cached_src_idx") = 0,
            "direct: senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every "
            "rank of the call must pass the same. has_room false: this rank's outputs are elsewhere (its region "
-           "was full), and every rank falls back to the rings.")
+           "was full), and every rank falls back to the rings. staging_bytes > 0 (direct only, every rank alike): "
+           "the rows cross NVLink by copy engine through the staging areas (recv_rank_offsets [R + 1], and "
+           "cached_src_idx for a cached dispatch; side_stream refills the area). Returns whether this rank's x "
+           "went by copy engine.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),

@@ -37,6 +37,10 @@ const char* wait_name(int kind) {
     case kWaitStagingFree: return "its staging area (copy-engine path: the peer is still summing an earlier piece)";
     case kWaitPeerOutputs: return "where its outputs are (direct dispatch: the peer has not reached the same call)";
     case kWaitPeerRows: return "the last of its rows (direct dispatch: the peer has not finished writing them)";
+    case kWaitStagedDispatchRows:
+      return "its rows of this dispatch (copy-engine rows: the peer's copy into the staging area has not landed)";
+    case kWaitPeerMetadata:
+      return "its source indices (direct dispatch with copy-engine rows: the peer has not written them)";
     default: return "a signal";
   }
 }
@@ -111,6 +115,10 @@ void IntranodeRuntime::read_tuning_overrides() {
   if (const char* blocks = std::getenv("EP_PLUGIN_DIRECT_MAX_BLOCKS")) {
     EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
                  "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
+  }
+  if (const char* blocks = std::getenv("EP_PLUGIN_STAGED_MAX_BLOCKS")) {
+    EP_CHECK_ARG(std::sscanf(blocks, "%d", &staged_max_blocks_) == 1 && staged_max_blocks_ >= 0,
+                 "EP_PLUGIN_STAGED_MAX_BLOCKS must be an integer >= 0, got " << blocks);
   }
   if (const char* chunk = std::getenv("EP_PLUGIN_DIRECT_CHUNK")) {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
@@ -267,8 +275,8 @@ void IntranodeRuntime::require_in_output_region(const void* output, int64_t byte
                                    << output_bytes_ << " bytes (buffer.dispatch_output_bytes)");
 }
 
-void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
-                                       cudaStream_t stream) {
+bool IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
+                                       cudaStream_t stream, const StagedDispatch* staged) {
   require_connected();
   EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
   EP_CHECK_ARG(num_recv_rows >= 0, "num_recv_rows must be >= 0, got " << num_recv_rows);
@@ -283,11 +291,95 @@ void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
     require_in_output_region(args.recv_topk_weights, rows * args.num_topk * 4, "recv_topk_weights");
     require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
   }
+  if (staged != nullptr) {
+    EP_CHECK_ARG(num_ranks_ > 1, "copy-engine dispatch rows need 2 or more ranks");
+    EP_CHECK_ARG(staged->staging_bytes > 0 && staged->staging_bytes <= staging_bytes_,
+                 "staging_bytes must be in (0, " << staging_bytes_ << "], got " << staged->staging_bytes);
+    EP_CHECK_ARG(combine_early_rows_, "copy-engine dispatch rows need the staging area refilled after each use "
+                                      "(EP_PLUGIN_COMBINE_EARLY_ROWS=0 turns that off)");
+    EP_CHECK_ARG(args.recv_rank_offsets != nullptr, "copy-engine dispatch rows need recv_rank_offsets");
+    EP_CHECK_ARG(num_recv_rows == 0 || args.cached_src_idx != nullptr || args.recv_src_idx != nullptr,
+                 "copy-engine dispatch rows need the received rows' source indices (cached_src_idx or recv_src_idx)");
+    // NOTE: every rank numbers this call alike (the combine's copies share the area and the numbers).
+    args.staged_epoch = ++staged_epoch_;
+    args.direct_max_blocks = staged_max_blocks_;
+    args.staging_offset = staging_offset_;
+    args.staging_peer_bytes = staging_peer_bytes(staged->staging_bytes);
+    args.rows_staged =
+        args.num_tokens > 0 && static_cast<int64_t>(args.num_tokens) * args.row_bytes <= args.staging_peer_bytes;
+    CUDA_CHECK(cudaEventRecord(fork_, stream));
+    if (args.rows_staged)
+      for (int r = 0; r < num_ranks_; ++r)
+        if (r != rank_) copy_x_to_peer(args, r);
+  }
   intranode::launch_direct_dispatch(args, stream);
   // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header);
   // launched as a programmatic dependent, it overlaps the direct kernel's end.
   args.only_after_fallback = true;
   intranode::launch_dispatch(args, stream);
+  if (staged != nullptr) {
+    if (args.rows_staged) {
+      for (int r = 0; r < num_ranks_; ++r) {
+        if (r == rank_) continue;
+        CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));  // x is read
+        if (combine_signal_stream_) {
+          CUDA_CHECK(cudaEventRecord(signals_done_[r], signal_streams_[r]));
+          CUDA_CHECK(cudaStreamWaitEvent(stream, signals_done_[r], 0));
+        }
+      }
+    }
+    release_dispatch_staging(args, stream, staged->side);
+  }
+  return args.rows_staged;
+}
+
+int64_t IntranodeRuntime::staging_peer_bytes(int64_t staging_bytes) const {
+  return num_ranks_ > 1 ? staging_bytes / (num_ranks_ - 1) / 256 * 256 : 0;
+}
+
+void IntranodeRuntime::copy_x_to_peer(const intranode::DispatchArgs& args, int peer) {
+  cudaStream_t stream = copy_streams_[peer];
+  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
+  const uint32_t epoch = args.staged_epoch;
+  CUDA_CHECK(cudaStreamWaitEvent(stream, fork_, 0));
+  // The peer must have finished reading (and refilled) its area after the call before.
+  wait_for_owner(&mine->staged_released[peer], epoch - 1, peer, -1, stream);
+  const int peer_index = rank_ < peer ? rank_ : rank_ - 1;
+  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[peer]) + staging_offset_ + peer_index * args.staging_peer_bytes;
+  CUDA_CHECK(cudaMemcpyAsync(region, args.x, static_cast<int64_t>(args.num_tokens) * args.row_bytes,
+                             cudaMemcpyDeviceToDevice, stream));
+  signal_landed(peer, intranode::staged_word(epoch, static_cast<uint32_t>(args.num_tokens)), stream);
+  CUDA_CHECK(cudaEventRecord(copy_done_[peer], stream));
+}
+
+void IntranodeRuntime::release_dispatch_staging(const intranode::DispatchArgs& args, cudaStream_t stream,
+                                                cudaStream_t side) {
+  // NOTE: off the caller's stream, as after a combine: the kernel has seen every staged copy land whole.
+  // Each source's part is refilled whole: the host does not know how many rows a source sent.
+  CUDA_CHECK(cudaEventRecord(join_, stream));
+  CUDA_CHECK(cudaStreamWaitEvent(side, join_, 0));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    const int peer_index = r < rank_ ? r : r - 1;
+    CUDA_CHECK(cudaMemsetAsync(static_cast<uint8_t*>(buffer_) + staging_offset_ + peer_index * args.staging_peer_bytes,
+                               0xff, args.staging_peer_bytes, side));
+  }
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_)
+      write_word(&static_cast<intranode::Header*>(peer_buffers_[r])->staged_released[rank_], args.staged_epoch, side);
+}
+
+void IntranodeRuntime::signal_landed(int owner, uint64_t value, cudaStream_t stream) {
+  auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
+  if (!combine_signal_stream_) {
+    write_word(&theirs->staged_landed[rank_], value, stream);
+    return;
+  }
+  // NOTE: the event keeps the writes in copy order; each wait takes the event's latest record.
+  cudaStream_t signals = signal_streams_[owner];
+  CUDA_CHECK(cudaEventRecord(copy_landed_[owner], stream));
+  CUDA_CHECK(cudaStreamWaitEvent(signals, copy_landed_[owner], 0));
+  write_word(&theirs->staged_landed[rank_], value, signals);
 }
 
 bool IntranodeRuntime::direct_fell_back() const {
@@ -468,16 +560,7 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                  cudaMemcpyDeviceToDevice, stream));
     done += count;
     // Copies land in order on this one stream: the owner counts the rows landed.
-    const uint64_t landed = staged_word(epoch, static_cast<uint32_t>(done));
-    if (combine_signal_stream_) {
-      // NOTE: the event keeps the writes in copy order; each wait takes the event's latest record.
-      cudaStream_t signals = signal_streams_[owner];
-      CUDA_CHECK(cudaEventRecord(copy_landed_[owner], stream));
-      CUDA_CHECK(cudaStreamWaitEvent(signals, copy_landed_[owner], 0));
-      write_word(&theirs->staged_landed[rank_], landed, signals);
-    } else {
-      write_word(&theirs->staged_landed[rank_], landed, stream);
-    }
+    signal_landed(owner, staged_word(epoch, static_cast<uint32_t>(done)), stream);
   }
 }
 

@@ -29,6 +29,12 @@ struct StagedCombineRequest {
   int num_sms;                         // SMs of the reduction
 };
 
+// Copy-engine rows of a direct dispatch (see IntranodeRuntime::direct_dispatch).
+struct StagedDispatch {
+  int64_t staging_bytes;  // the smallest staging area of all ranks
+  cudaStream_t side;      // refills and releases this rank's staging area after the kernel
+};
+
 class IntranodeRuntime {
  public:
   // `staging_bytes` past the ring buffer hold the copy-engine combine's incoming rows (0: none);
@@ -65,7 +71,12 @@ class IntranodeRuntime {
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
   // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
   // in its region (has_room false: the region was full) makes every rank fall back to the rings.
-  void direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream);
+  // With `staged` (every rank alike), the rows cross NVLink by copy engine: this rank's whole x goes
+  // into each peer's staging area (when it fits there), and each rank's SMs move the rows it receives
+  // from its own area; args.recv_rank_offsets, and args.cached_src_idx or args.recv_src_idx, are set.
+  // Returns whether this rank's x went by copy engine.
+  bool direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream,
+                       const StagedDispatch* staged = nullptr);
   // Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).
   bool direct_fell_back() const;
   void combine(intranode::CombineArgs args, cudaStream_t stream);
@@ -102,11 +113,22 @@ class IntranodeRuntime {
   // every sender that the area is free for the next combine.
   void release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                        cudaStream_t side);
+  // Bytes of each source's part of a staging area of `staging_bytes` (copy-engine dispatch rows).
+  int64_t staging_peer_bytes(int64_t staging_bytes) const;
+  // The copy-engine dispatch's sender side for one peer, on its copy stream: once the peer has released
+  // its staging area, this rank's x goes there in one copy, then the landed word.
+  void copy_x_to_peer(const intranode::DispatchArgs& args, int peer);
+  // After the direct kernel: refill this rank's staging area with unlanded bytes and tell every sender
+  // that the area is free (as release_staging does after a combine).
+  void release_dispatch_staging(const intranode::DispatchArgs& args, cudaStream_t stream, cudaStream_t side);
+  // Writes `value` to the landed word of this rank's rows in `owner`'s header once the copies queued on
+  // `stream` are done (on the owner's signal stream unless EP_PLUGIN_COMBINE_SIGNAL_STREAM=0).
+  void signal_landed(int owner, uint64_t value, cudaStream_t stream);
   void create_copy_streams(int64_t staging_bytes);
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
-  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_DIRECT_CHUNK, EP_PLUGIN_COMBINE_PAIR,
-  // EP_PLUGIN_COMBINE_SIGNAL_STREAM, EP_PLUGIN_COMBINE_EARLY_ROWS, EP_PLUGIN_COMBINE_COPY_PIECES
-  // (docs/configuration.md).
+  // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_STAGED_MAX_BLOCKS, EP_PLUGIN_DIRECT_CHUNK,
+  // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM, EP_PLUGIN_COMBINE_EARLY_ROWS,
+  // EP_PLUGIN_COMBINE_COPY_PIECES (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -123,6 +145,9 @@ class IntranodeRuntime {
   // The direct dispatch on at most this many blocks (EP_PLUGIN_DIRECT_MAX_BLOCKS; 0: num_sms): on 2x H200,
   // 16 blocks moved the rows faster than 24 (docs/benchmarks.md, sixteenth session).
   int direct_max_blocks_ = 16;
+  // With copy-engine rows the SMs copy within the GPU only, so they gain from every SM:
+  // EP_PLUGIN_STAGED_MAX_BLOCKS (0: num_sms).
+  int staged_max_blocks_ = 0;
   int direct_chunk_tokens_ = 1;  // EP_PLUGIN_DIRECT_CHUNK: tokens per claimed chunk (0: fixed shares)
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;

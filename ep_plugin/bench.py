@@ -122,13 +122,17 @@ class Timer:
         return times
 
 
+DISPATCH_PATHS = ("direct", "direct, copy-engine rows", "direct, fell back to rings", "rings")
+
+
 def _dispatch_path(buf: Buffer) -> str:
-    """Which intranode dispatch ran last: "direct", "direct, fell back to rings" or "rings" (native),
-    else the backend's name."""
+    """Which intranode dispatch ran last: one of DISPATCH_PATHS (native), else the backend's name."""
     backend = buf._backend
     path = getattr(backend, "last_dispatch_path", "") or buf.backend_name
     if path == "direct" and backend.direct_fell_back():
         return "direct, fell back to rings"
+    if path == "direct" and backend.last_dispatch_copy_engine:
+        return "direct, copy-engine rows"
     return path
 
 
@@ -402,8 +406,7 @@ def format_table(run: dict) -> str:
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
         link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
-        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm", "direct", "rings",
-                                                       "direct, fell back to rings") else ""
+        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") + DISPATCH_PATHS else ""
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
                      f"{_gbps(e['algo_gbps']):>12}{link:>12}{path}")
     return "\n".join(lines)

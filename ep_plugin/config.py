@@ -58,6 +58,7 @@ class BufferSection:
     num_rdma_bytes: Union[int, str] = AUTO
     combine_staging_tokens: Union[int, str] = AUTO
     dispatch_output_bytes: Union[int, str] = AUTO
+    dispatch_copy_engine: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,7 @@ def _validate_section(source: Optional[str], name: str, value: Any):
                                                       allow_auto=True)
         merged["dispatch_output_bytes"] = _check_int(source, k("dispatch_output_bytes"),
                                                      merged["dispatch_output_bytes"], minimum=0, allow_auto=True)
+        merged["dispatch_copy_engine"] = _check_bool(source, k("dispatch_copy_engine"), merged["dispatch_copy_engine"])
     elif cls is LowLatencySection:
         merged["max_dispatch_tokens_per_rank"] = _check_int(
             source, k("max_dispatch_tokens_per_rank"), merged["max_dispatch_tokens_per_rank"], minimum=1, maximum=1 << 16)

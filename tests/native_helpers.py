@@ -107,7 +107,12 @@ def make_inputs(rank: int, R: int, case: dict, seed: int):
     T = 0 if case.get("empty_rank") and rank == R - 1 else case["T"]
     H, K, E = case["H"], case["K"], case["E"]
     topk_idx = make_routing(case.get("routing", "random"), T, E, K, R, gen).cuda()
-    x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16).cuda()
+    x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16)
+    if case.get("unlanded_words"):
+        # 0xffffffff words: the staging areas' mark for bytes not landed yet (copy-engine rows).
+        x.view(torch.int32)[::3, :64] = -1
+        x.view(torch.int32)[T // 2:T // 2 + 1] = -1
+    x = x.cuda()
     weights = torch.rand(T, K, generator=gen).cuda() if case.get("weights", True) else None
     payload = quantize(x, round_scale=False, use_ue8m0=False) if case.get("fp8") else x
     return payload, topk_idx, weights
@@ -153,7 +158,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
 
     `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst_slack (padding
     rows past the most a rank can receive, T x R: num_worst_tokens = T x R + slack), bias (0-2),
-    unlanded_words (0xffffffff words in the combine's inputs), config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
+    unlanded_words (0xffffffff words in x and the combine's inputs), config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
 
     Every rank makes every call of the case whatever its checks find; failed checks are raised at
     the end. (A rank that stopped at its first failed check would skip calls its peers still make,

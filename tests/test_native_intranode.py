@@ -23,14 +23,16 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
-                 check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0):
+                 check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0,
+                 dispatch_copy_engine: bool = False):
     R = group.size()
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
                     config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
                             "check_inputs": check_inputs,
                             "buffer": {"max_hidden": max_hidden, "combine_staging_tokens": combine_staging_tokens,
-                                       "dispatch_output_bytes": dispatch_output_bytes}})
+                                       "dispatch_output_bytes": dispatch_output_bytes,
+                                       "dispatch_copy_engine": dispatch_copy_engine}})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference"})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
@@ -60,11 +62,21 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     return "copy_engine" if staged else "sm"
 
 
+def copy_engine_expected(native, case: dict, rank: int, R: int) -> bool:
+    """Whether this rank's x crosses NVLink by copy engine in `case`: it has tokens and they fit its
+    part of each peer's staging area (staging bytes / (R - 1), in whole 256-byte units)."""
+    T = 0 if case.get("empty_rank") and rank == R - 1 else case["T"]
+    row_bytes = case["H"] * (1 if case.get("fp8") else 2)
+    peer_bytes = native._backend._staging_bytes // (R - 1) // 256 * 256
+    return T > 0 and T * row_bytes <= peer_bytes
+
+
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
-               dispatch_output_bytes=0, expect_chunk_tokens=1) -> list:
+               dispatch_output_bytes=0, expect_chunk_tokens=1, dispatch_copy_engine=False) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
-                                     dispatch_output_bytes=dispatch_output_bytes)
+                                     dispatch_output_bytes=dispatch_output_bytes,
+                                     dispatch_copy_engine=dispatch_copy_engine)
     settings = as_config({"buffer": {"dispatch_output_bytes": dispatch_output_bytes}}).buffer
     expect_dispatch_path = "direct" if output_region_bytes(settings, R) > 0 else "rings"
     if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
@@ -81,6 +93,9 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             assert path == expect_dispatch_path, f"dispatch ran on the {path} path"
             if path == "direct":
                 assert not native._backend.direct_fell_back(), "the direct dispatch fell back to the rings"
+            want_copy_engine = dispatch_copy_engine and path == "direct" and copy_engine_expected(native, case, rank, R)
+            got_copy_engine = native._backend.last_dispatch_copy_engine
+            assert got_copy_engine == want_copy_engine, f"rows by copy engine: {got_copy_engine}, expected {want_copy_engine}"
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -169,6 +184,30 @@ def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens):
     assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, chunk_tokens) == [in_order] * RANKS
 
 
+# Copy-engine rows (buffer.dispatch_copy_engine): each rank's x goes whole into its peers' staging areas by
+# copy engine, and each rank's SMs move the rows it receives from its own area into recv_x as they land.
+# With the default staging area every case's x fits. With one of 1024 rows the larger cases' x does not:
+# those ranks' SMs write their rows to the peers instead, beside ranks whose x went by copy engine (the
+# empty rank's x never does). unlanded_words puts the staging areas' not-landed mark into x.
+STAGED_X_OVERFLOW_CASES = ("large", "sms16", "hidden7168", "fp8_hidden7168", "empty_rank", "num_worst",
+                           "routing_one_rank", "unlanded_words")
+
+
+def copy_engine_cases_rank(rank: int, R: int, group, names, combine_staging_tokens) -> list:
+    return cases_rank(rank, R, group, names, combine_staging_tokens, dispatch_output_bytes=DIRECT_OUTPUT_BYTES,
+                      dispatch_copy_engine=True)
+
+
+@needs_ranks(RANKS)
+@pytest.mark.parametrize("combine_staging_tokens,names", [(4096, tuple(c["name"] for c in CASES)),
+                                                         (1024, STAGED_X_OVERFLOW_CASES)],
+                         ids=["x_fits", "large_x_by_sms"])
+def test_cases_multi_rank_copy_engine_dispatch(combine_staging_tokens, names):
+    in_order = [c["name"] for c in CASES if c["name"] in names]
+    assert sorted(in_order) == sorted(names)
+    assert parallel_launch(RANKS, copy_engine_cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
+
+
 @needs_ranks(RANKS)
 def test_cases_multi_rank_auto_output_region():
     """The default `buffer.dispatch_output_bytes: auto` sizes a region at 2 ranks: the direct path."""
@@ -182,13 +221,15 @@ def test_cases_one_rank_direct_outputs():
     assert parallel_launch(1, direct_cases_rank, names)[0] == names
 
 
-def region_full_cases_rank(rank: int, R: int, group, names, full_on) -> list:
+def region_full_cases_rank(rank: int, R: int, group, names, full_on, dispatch_copy_engine=False) -> list:
     """Cases on the direct path where, in the cases of `full_on`, the last rank's region is held full
     (a block of all but 1 MB): that rank passes ordinary outputs, and every rank must fall back to the
     rings in the same call, with exact results, no error and no wait. Returns whether each case's last
-    dispatch fell back."""
+    dispatch fell back. With copy-engine rows, the copies made before the kernel found the region full
+    must still land and the staging area be released for the next call."""
     torch.manual_seed(rank)
-    native, reference = make_buffers(group, dispatch_output_bytes=DIRECT_OUTPUT_BYTES)
+    native, reference = make_buffers(group, dispatch_output_bytes=DIRECT_OUTPUT_BYTES,
+                                     dispatch_copy_engine=dispatch_copy_engine)
     region = native._backend._outputs
     fell_back = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
@@ -208,9 +249,10 @@ def region_full_cases_rank(rank: int, R: int, group, names, full_on) -> list:
 
 
 @needs_ranks(RANKS)
-def test_direct_outputs_fall_back_together_when_a_region_is_full():
+@pytest.mark.parametrize("dispatch_copy_engine", [False, True], ids=["sm_rows", "copy_engine_rows"])
+def test_direct_outputs_fall_back_together_when_a_region_is_full(dispatch_copy_engine):
     names = ("hidden7168", "fp8_hidden7168", "topk9")  # in CASES order
-    results = parallel_launch(RANKS, region_full_cases_rank, names, ("hidden7168", "topk9"))
+    results = parallel_launch(RANKS, region_full_cases_rank, names, ("hidden7168", "topk9"), dispatch_copy_engine)
     assert results == [[True, False, True]] * RANKS
 
 

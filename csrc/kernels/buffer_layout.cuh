@@ -74,6 +74,8 @@ struct Header {
                                                // they are in dst's region, 0 when dst had no room (all fall back)
   // Written by rank src, into this (a destination's) header:
   uint64_t direct_done[kMaxNvlPeers];          // [src]: epoch whose rows src has all written here
+  uint64_t direct_metadata_done[kMaxNvlPeers];  // [src]: epoch whose metadata src has all written here
+                                                // (copy-engine rows: the receiver moves them by source index)
   // Local state, touched only by this rank's kernels.
   uint32_t notify_epoch;
   uint32_t op_epoch;
@@ -81,6 +83,8 @@ struct Header {
   int32_t error_claim;
   uint32_t direct_fell_back;  // 1: the last direct dispatch found a rank without room; the ring kernel runs
   uint32_t direct_next_chunk;  // chunks of tokens the direct dispatch's warps have claimed in this call
+  uint32_t direct_next_move;   // staged rows the direct dispatch's warps have claimed in this call
+  uint32_t metadata_blocks_done;  // blocks of the direct dispatch past their metadata
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");

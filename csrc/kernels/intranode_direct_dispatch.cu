@@ -14,12 +14,19 @@
 // - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes chunks of tokens, one at
 //   a time from a counter (ClaimedTokens), and writes each row to every rank that has it, this rank
 //   included.
+// - Copy-engine rows (staged_epoch > 0): the host has copied each rank's whole x into its peers'
+//   staging areas (one cudaMemcpyAsync per peer, runtime.cu), so no SM stores a row across NVLink.
+//   Each rank's warps write every token's metadata first, then copy the rank's own rows, then move
+//   the rows it receives from the staging area into recv_x as they land (staging_marks.cuh): row
+//   recv_src_idx[pos] of source s's x goes to row pos. A rank whose x did not fit its peers' areas
+//   says so at the handshake, and its warps write its rows to the peers as above.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "dispatch_rows.cuh"
 #include "intranode_common.cuh"
 #include "intranode_profile.cuh"
+#include "staging_marks.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -45,10 +52,15 @@ __device__ __forceinline__ T* output_at(void* base, uint64_t offset) {
                                                    : reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
 }
 
+// The handshake word's count: bit 0, the outputs are in the rank's region; bit 1, its rows for its
+// peers went into their staging areas (copy-engine rows).
+constexpr uint32_t kHasRoom = 1, kRowsStaged = 2;
+
 // Thread r < R: tells rank r where this rank's outputs are, then waits for rank r's word (rank r
-// has entered the call) and returns its outputs, and whether they are in rank r's region.
+// has entered the call) and returns its outputs, whether they are in rank r's region, and whether
+// rank r's rows for this rank are in this rank's staging area.
 __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
-                                        bool& peer_has_room) {
+                                        bool& peer_has_room, bool& peer_staged) {
   const int r = threadIdx.x;
   const void* own_base = a.peer_buffers[a.rank];
   Header* peer = header_of(a.peer_buffers, r);
@@ -58,7 +70,8 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
   mine.recv_topk_idx = offset_in(own_base, a.recv_topk_idx);
   mine.recv_topk_weights = offset_in(own_base, a.recv_topk_weights);
   mine.recv_src_idx = offset_in(own_base, a.recv_src_idx);
-  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, a.direct_has_room ? 1 : 0, false));
+  const uint32_t flags = (a.direct_has_room ? kHasRoom : 0u) | (a.rows_staged ? kRowsStaged : 0u);
+  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, flags, false));
 
   Deadline deadline(site);
   uint64_t ready;
@@ -67,7 +80,8 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
     if (counter_epoch(ready) == epoch) break;
     deadline.check(kWaitPeerOutputs, r, epoch, counter_epoch(ready));
   }
-  peer_has_room = counter_count(ready) != 0;
+  peer_has_room = (counter_count(ready) & kHasRoom) != 0;
+  peer_staged = r != a.rank && (counter_count(ready) & kRowsStaged) != 0;
   // NOTE: acquire loads, so that no word of an earlier call's outputs comes from a stale L1 line.
   const DirectOutputs& theirs = me->direct_outputs[r];
   auto word = [](const int64_t& field) { return ld_acquire_sys(reinterpret_cast<const uint64_t*>(&field)); };
@@ -123,9 +137,56 @@ class ClaimedTokens {
   int current_;        // first token of the current chunk (num_tokens: none)
 };
 
+// A token's metadata for every rank that has it: the source index, FP8 scales and top-k ids (made
+// destination-local, -1 elsewhere) with their weights. Loaded before the token's row copy, so that
+// its latency hides under the copy; stored after it.
+struct TokenMetadata {
+  int64_t expert;
+  float weight;
+  bool has_topk;
+  const float* scales;
+  int num_early;
+  float early_scales[kEarlyScalesPerLane];
+
+  __device__ void load(const DispatchArgs& a, int t) {
+    const int lane = lane_id();
+    has_topk = a.num_topk > 0 && lane < a.num_topk;
+    expert = has_topk ? a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
+    weight = has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+    scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
+    num_early = early_scale_count(a);
+    load_early_scales<Load::kReadOnly>(scales, num_early, early_scales);
+  }
+
+  // Lane r's `pos`: the token's row on rank r (-1: none); row_of[r] the same for every lane.
+  __device__ void store(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], int t, int pos,
+                        const int (&row_of)[kMaxNvlPeers], uint32_t dst_mask) const {
+    const int lane = lane_id();
+    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
+    for_each_scale<Load::kReadOnly>(scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
+#pragma unroll
+      for (int r = 0; r < kMaxNvlPeers; ++r)
+        if (dst_mask >> r & 1u) outputs[r].scales[static_cast<int64_t>(row_of[r]) * a.num_scales + i] = scale;
+    });
+    if (!has_topk) return;
+#pragma unroll
+    for (int r = 0; r < kMaxNvlPeers; ++r) {
+      if (!(dst_mask >> r & 1u)) continue;
+      const int32_t local_id = local_expert_id(expert, r, a.num_local_experts);
+      const int64_t at = static_cast<int64_t>(row_of[r]) * a.num_topk + lane;
+      if (outputs[r].topk_idx != nullptr) outputs[r].topk_idx[at] = local_id;
+      if (outputs[r].topk_weights != nullptr) outputs[r].topk_weights[at] = local_id >= 0 ? weight : 0.f;
+    }
+  }
+};
+
+// What a sender warp writes per token: rows and metadata (without copy-engine rows), rows only (the
+// metadata went first), or only this rank's own rows (the peers' rows went by copy engine).
+enum class SenderWork { kRowsAndMetadata, kRows, kOwnRows };
+
 template <bool kBulk>
 __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], Header* me,
-                              uint8_t* shared) {
+                              uint8_t* shared, SenderWork work) {
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
@@ -136,8 +197,10 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
                        claims);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
   DirectSenderCycles cycles;
+  const bool with_metadata = work == SenderWork::kRowsAndMetadata;
+  const bool lane_gets_rows = lane < R && (work != SenderWork::kOwnRows || lane == a.rank);
   // NOTE: the next row's positions load during this row when it is in the same chunk.
-  auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  auto load_pos = [&](int t) { return lane_gets_rows && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int prefetched_token = -1, prefetched_pos = -1;
   for (int k = 0; tokens.begin_row(k); ++k) {
     const int t = tokens.token(k);
@@ -150,14 +213,8 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
       continue;
     }
     // Issue the top-k and scale loads before the row copy, which does not depend on them.
-    const bool has_topk = a.num_topk > 0 && lane < a.num_topk;
-    const int64_t expert = has_topk ? a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
-    const float weight =
-        has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
-    const float* token_scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
-    const int num_early = early_scale_count(a);
-    float early_scales[kEarlyScalesPerLane];
-    load_early_scales<Load::kReadOnly>(token_scales, num_early, early_scales);
+    TokenMetadata metadata;
+    if (with_metadata) metadata.load(a, t);
 
     int row_of[kMaxNvlPeers];
     uint8_t* dst[kMaxNvlPeers];
@@ -172,24 +229,7 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
     prefetched_token = tokens.lookahead(k + 1);
     prefetched_pos = load_pos(prefetched_token);
     cycles.begin();
-    if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
-
-    for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
-#pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r)
-        if (dst[r] != nullptr) outputs[r].scales[static_cast<int64_t>(row_of[r]) * a.num_scales + i] = scale;
-    });
-    // Top-k ids become destination-local expert ids (-1 elsewhere); weights follow them.
-    if (has_topk) {
-#pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r) {
-        if (dst[r] == nullptr) continue;
-        const int32_t local_id = local_expert_id(expert, r, a.num_local_experts);
-        const int64_t at = static_cast<int64_t>(row_of[r]) * a.num_topk + lane;
-        if (outputs[r].topk_idx != nullptr) outputs[r].topk_idx[at] = local_id;
-        if (outputs[r].topk_weights != nullptr) outputs[r].topk_weights[at] = local_id >= 0 ? weight : 0.f;
-      }
-    }
+    if (with_metadata) metadata.store(a, outputs, t, pos, row_of, dst_mask);
     cycles.end_metadata();
   }
   cycles.begin();
@@ -197,9 +237,168 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   cycles.end_sender<kBulk>(rows, a.rank, R);
 }
 
+// ---- copy-engine rows --------------------------------------------------------------------------
+
+// Whether this rank has metadata to send besides its rows (a cached BF16 dispatch has none). A rank whose
+// peers need its source indices (a non-cached dispatch) always does: it has tokens, so topk_idx.
+__device__ __forceinline__ bool has_metadata(const DispatchArgs& a) {
+  return a.num_scales > 0 || a.topk_idx != nullptr;
+}
+
+// Every token's metadata for every rank that has it, tokens spread over all warps of the grid.
+__device__ void write_all_metadata(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers]) {
+  const int lane = lane_id();
+  const int R = a.num_ranks;
+  const int num_warps = gridDim.x * kWarpsPerChannel;
+  for (int t = blockIdx.x * kWarpsPerChannel + (threadIdx.x >> 5); t < a.num_tokens; t += num_warps) {
+    const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+    const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
+    if (dst_mask == 0) continue;
+    TokenMetadata metadata;
+    metadata.load(a, t);
+    int row_of[kMaxNvlPeers];
+#pragma unroll
+    for (int r = 0; r < kMaxNvlPeers; ++r) row_of[r] = shfl(pos, r);
+    metadata.store(a, outputs, t, pos, row_of, dst_mask);
+  }
+}
+
+// After every block's metadata: the last block past it tells each peer that this rank's metadata is
+// written there (its receivers read the source indices it wrote). The other blocks go on at once.
+__device__ void signal_metadata_written(const DispatchArgs& a, Header* me, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  if (atomicAdd(&me->metadata_blocks_done, 1u) + 1u != gridDim.x) return;
+  me->metadata_blocks_done = 0;
+  __threadfence_system();
+  for (int r = 0; r < a.num_ranks; ++r)
+    if (r != a.rank) st_release_sys(&header_of(a.peer_buffers, r)->direct_metadata_done[a.rank], pack_counter(epoch, 0, true));
+}
+
+__device__ __forceinline__ bool epoch_reached(uint64_t word, uint32_t epoch) {
+  return static_cast<int32_t>(counter_epoch(word) - epoch) >= 0;
+}
+
+// One thread waits until `word` (written by `source`) carries this call's epoch or a later one.
+__device__ void wait_for_word(const uint64_t* word, uint32_t epoch, int source, int kind, const WaitSite& site) {
+  Deadline deadline(site);
+  uint64_t value;
+  while (!epoch_reached(value = ld_acquire_sys(word), epoch)) deadline.check(kind, source, epoch, counter_epoch(value));
+}
+
+// Source s's x in this rank's staging area (row t at t * row_bytes).
+__device__ __forceinline__ const int4* staged_x_of(const DispatchArgs& a, int source) {
+  const int peer_index = source < a.rank ? source : source - 1;
+  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.peer_buffers[a.rank]) + a.staging_offset +
+                                       peer_index * a.staging_peer_bytes);
+}
+
+// Re-reads a staged unit until no word of it is unlanded or its source's copy is reported landed.
+// NOTE: the acquire comes before the re-read, so a read after the report sees the landed bytes.
+__device__ int4 wait_for_staged_unit(const int4* at, const uint64_t* landed, uint32_t epoch, int source,
+                                     const WaitSite& site) {
+  Deadline deadline(site);
+  while (true) {
+    const bool reported = epoch_reached(ld_acquire_sys(landed), epoch);
+    const int4 value = load_staged(at);
+    if (reported || !has_unlanded_word(value)) return value;
+    deadline.check(kWaitStagedDispatchRows, source, epoch, 0);
+  }
+}
+
+constexpr int kMoveUnroll = 8;  // 16-byte units in flight per lane while a warp moves a staged row
+
+// One warp moves a staged row into recv_x, each unit once it has landed.
+__device__ void move_staged_row(const int4* src, int4* dst, int num_units, const uint64_t* landed, uint32_t epoch,
+                                int source, const WaitSite& site) {
+  const int lane = lane_id();
+  for (int base = 0; base < num_units; base += 32 * kMoveUnroll) {
+    int4 units[kMoveUnroll];
+#pragma unroll
+    for (int u = 0; u < kMoveUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < num_units) units[u] = load_staged(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kMoveUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i >= num_units) continue;
+      if (has_unlanded_word(units[u])) units[u] = wait_for_staged_unit(src + i, landed, epoch, source, site);
+      st_na_v4(dst + i, units[u]);
+    }
+  }
+}
+
+// The rows this rank receives from the staged sources: source s's block of recv_x, in recv order.
+struct StagedBlocks {
+  int begin[kMaxNvlPeers];  // first received row of the source's block
+  int count[kMaxNvlPeers];  // its rows (0: not staged)
+  int total;
+
+  __device__ StagedBlocks(const DispatchArgs& a, const bool (&staged_from)[kMaxNvlPeers]) : total(0) {
+#pragma unroll
+    for (int r = 0; r < kMaxNvlPeers; ++r) {
+      begin[r] = r < a.num_ranks ? a.recv_rank_offsets[r] : 0;
+      count[r] = r < a.num_ranks && staged_from[r] ? a.recv_rank_offsets[r + 1] - begin[r] : 0;
+      total += count[r];
+    }
+  }
+  // The source of the index-th staged row; index becomes the row's place in the source's block.
+  __device__ int source_of(int& index) const {
+#pragma unroll
+    for (int r = 0; r < kMaxNvlPeers - 1; ++r) {
+      if (index < count[r]) return r;
+      index -= count[r];
+    }
+    return kMaxNvlPeers - 1;
+  }
+};
+
+// Each warp claims staged rows one at a time and moves them: row pos of source s's block is row
+// src_idx[pos] of s's x. Without the handle's source indices (a cached dispatch has them), the warp
+// first waits until s has written them (direct_metadata_done).
+__device__ void move_staged_rows(const DispatchArgs& a, Header* me, const bool (&staged_from)[kMaxNvlPeers],
+                                 uint32_t epoch, const WaitSite& site) {
+  const StagedBlocks blocks(a, staged_from);
+  const int lane = lane_id();
+  const int num_units = a.row_bytes / 16;
+  uint32_t metadata_seen = 0;  // sources whose metadata this warp has seen written
+  while (true) {
+    int index = lane == 0 ? static_cast<int>(atomicAdd(&me->direct_next_move, 1u)) : 0;
+    index = shfl(index, 0);
+    if (index >= blocks.total) return;
+    const int source = blocks.source_of(index);
+    const int pos = blocks.begin[source] + index;
+    const int32_t* src_idx = a.cached_src_idx;
+    if (src_idx == nullptr) {
+      if (!(metadata_seen >> source & 1u)) {
+        if (lane == 0) wait_for_word(&me->direct_metadata_done[source], epoch, source, kWaitPeerMetadata, site);
+        __syncwarp();
+        metadata_seen |= 1u << source;
+      }
+      src_idx = a.recv_src_idx;
+    }
+    // NOTE: written by the source through NVLink; read from L2, never from a stale L1 line.
+    const int t = ld_cg_s32(src_idx + pos);
+    move_staged_row(staged_x_of(a, source) + static_cast<int64_t>(t) * num_units,
+                    reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes),
+                    num_units, &me->staged_landed[source], epoch, source, site);
+  }
+}
+
+// Thread 0: waits until every staged source's copy has landed whole (also its rows this rank does not
+// receive), so that the host may refill the area once the kernel has ended.
+__device__ void wait_for_staged_copies(const DispatchArgs& a, Header* me, const bool (&staged_from)[kMaxNvlPeers],
+                                       uint32_t epoch, const WaitSite& site) {
+  for (int r = 0; r < a.num_ranks; ++r)
+    if (staged_from[r]) wait_for_word(&me->staged_landed[r], epoch, r, kWaitStagedDispatchRows, site);
+}
+
 // After every block's writes: the last block out tells each rank that this rank's rows are all
 // written, waits until every rank's rows are here, and ends the operation.
-__device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site) {
+__device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
+                              const bool (&staged_from)[kMaxNvlPeers]) {
   // NOTE: each thread's bulk stores completed (SenderRows::complete); the barrier and the system-scope
   // fence before the count make every block's writes visible before the last block's release.
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
@@ -213,6 +412,7 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   if (atomicAdd(&me->blocks_done, 1u) + 1u != gridDim.x) return;
   me->blocks_done = 0;
   me->direct_next_chunk = 0;  // every warp has made its last claim
+  me->direct_next_move = 0;
   __threadfence_system();
   for (int r = 0; r < a.num_ranks; ++r)
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
@@ -225,35 +425,69 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
       deadline.check(kWaitPeerRows, r, epoch, seen);
     }
   }
+  if (a.staged_epoch > 0) wait_for_staged_copies(a, me, staged_from, a.staged_epoch, site);
   me->op_epoch = epoch;
   __threadfence();
 }
 
+// kStaged: copy-engine rows (a kernel of its own, so that the plain path's registers stay as they were).
+template <bool kBulk, bool kStaged>
+__device__ void direct_rows_and_metadata(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers],
+                                         Header* me, uint8_t* shared, const bool (&staged_from)[kMaxNvlPeers],
+                                         const WaitSite& site) {
+  if constexpr (!kStaged) {
+    direct_sender<kBulk>(a, outputs, me, shared, SenderWork::kRowsAndMetadata);
+    return;
+  }
+  // Copy-engine rows: the metadata first (a peer's warps need its source indices to move its rows),
+  // then this rank's rows, then the received rows as they land.
+  if (has_metadata(a)) {
+    write_all_metadata(a, outputs);
+    signal_metadata_written(a, me, a.staged_epoch);
+  }
+  direct_sender<kBulk>(a, outputs, me, shared, a.rows_staged ? SenderWork::kOwnRows : SenderWork::kRows);
+  move_staged_rows(a, me, staged_from, a.staged_epoch, site);
+}
+
+template <bool kStaged>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(DispatchArgs args) {
-  extern __shared__ __align__(16) uint8_t shared[];
+  // NOTE: 128-byte aligned whatever the static shared memory before it: the bulk copies' pieces lost
+  // a third of their rate when one more static byte array left them only 16-byte aligned.
+  extern __shared__ __align__(128) uint8_t shared[];
   __shared__ PeerOutputs outputs[kMaxNvlPeers];
+  __shared__ bool staged_from[kMaxNvlPeers];  // [r]: rank r's rows for this rank are in its staging area
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
   // NOTE: a timeout report's "channel" is the block here.
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
-  bool peer_has_room = true;
+  bool peer_has_room = true, peer_staged = false;
   direct_mark(kMarkStart);
-  if (threadIdx.x < args.num_ranks) outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room);
+  if (threadIdx.x < kMaxNvlPeers) staged_from[threadIdx.x] = false;
+  __syncthreads();
+  if (threadIdx.x < args.num_ranks) {
+    outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room, peer_staged);
+    staged_from[threadIdx.x] = peer_staged;
+  }
   const bool every_rank_has_room = __syncthreads_and(peer_has_room);
   // NOTE: read by the ring kernel launched after this one, once this kernel has ended (it waits for
   // that with griddepcontrol.wait); it runs on a fallback.
   if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
-  if (!every_rank_has_room) return;
+  if (!every_rank_has_room) {
+    // The ring kernel moves the rows; the staged copies must still land before the host refills the area.
+    if (blockIdx.x == 0 && threadIdx.x == 0 && args.staged_epoch > 0)
+      wait_for_staged_copies(args, me, staged_from, args.staged_epoch, site);
+    return;
+  }
   direct_mark(kMarkExchanged);
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
-  if (args.bulk_rows) direct_sender<true>(args, outputs, me, shared);
+  if (args.bulk_rows) direct_rows_and_metadata<true, kStaged>(args, outputs, me, shared, staged_from, site);
   else
 #endif
-    direct_sender<false>(args, outputs, me, shared);
+    direct_rows_and_metadata<false, kStaged>(args, outputs, me, shared, staged_from, site);
   direct_mark_block(kMarkRowsWritten);
-  finish_direct(args, me, epoch, site);
+  finish_direct(args, me, epoch, site, staged_from);
   report_direct_phases(args.rank, args.num_tokens, args.row_bytes, args.topk_idx == nullptr);
 }
 
@@ -264,8 +498,15 @@ void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int num_blocks = args.direct_max_blocks > 0 && args.direct_max_blocks < args.num_channels * 2
                              ? args.direct_max_blocks
                              : args.num_channels * 2;
-  const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel>(args);
-  direct_dispatch_kernel<<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
+  if (args.staged_epoch > 0) {
+    EP_CHECK_ARG(args.num_ranks >= 2 && args.staging_peer_bytes > 0 && args.recv_rank_offsets != nullptr,
+                 "copy-engine dispatch rows need 2 or more ranks, a staging area and recv_rank_offsets");
+    const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel<true>>(args);
+    direct_dispatch_kernel<true><<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
+  } else {
+    const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel<false>>(args);
+    direct_dispatch_kernel<false><<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 

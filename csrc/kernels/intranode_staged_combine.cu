@@ -12,6 +12,7 @@
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "intranode_common.cuh"
+#include "staging_marks.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
@@ -29,20 +30,7 @@ __device__ __forceinline__ uint32_t wait_for_epoch(const uint64_t* word, uint32_
 
 // Early rows: the owner sums a staged row while the copy engine may still be writing it, so that a
 // copy can be large (the engine moves large copies faster) without the owner waiting for all of it.
-// Every combine starts with its staging area filled with 0xff bytes (the host refills it after each
-// reduction), so a 32-bit word that still reads kUnlandedWord has not landed. A real word of that
-// value (a NaN pattern) only makes the owner wait for its source's landed count, which is final.
-// NOTE: relies on aligned 32-bit words landing whole; a unit's four words may land at different times.
-constexpr int kUnlandedWord = -1;
-
-__device__ __forceinline__ bool has_unlanded_word(const int4& v) {
-  return (v.x == kUnlandedWord) | (v.y == kUnlandedWord) | (v.z == kUnlandedWord) | (v.w == kUnlandedWord);
-}
-__device__ __forceinline__ bool has_unlanded_word(float v) { return __float_as_int(v) == kUnlandedWord; }
-
-// Staged bytes are read through L2 only: a re-read must never hit a stale L1 line.
-__device__ __forceinline__ int4 load_staged(const int4* at) { return load_unit<Load::kL2Only>(at); }
-__device__ __forceinline__ float load_staged(const float* at) { return load_f32<Load::kL2Only>(at); }
+// Every combine starts with its staging area filled with 0xff bytes (staging_marks.cuh).
 
 // How a staged row's landing is reported: its source's landed word reaches staged_word(epoch, count).
 // count == 0: the row is known to have landed.

@@ -222,9 +222,12 @@ class NativeBackend(Backend):
         self._runtime = None
         self._staging_bytes = 0
         self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
+        self._copy_engine_dispatch = False
         self._side_stream: Optional[torch.cuda.Stream] = None
         self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
+        # Whether this rank's rows of the last direct dispatch crossed NVLink by copy engine.
+        self.last_dispatch_copy_engine = False
         self._ll = None
         self._ll_parity = 0
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
@@ -247,6 +250,9 @@ class NativeBackend(Backend):
             self._staging_bytes = min(size for _, size in peers)
             if output_bytes > 0:
                 self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
+        # Copy-engine rows for the direct dispatch (buffer.dispatch_copy_engine): through the staging area.
+        self._copy_engine_dispatch = (settings.buffer.dispatch_copy_engine and self._outputs is not None
+                                      and self._staging_bytes > 0 and info.num_ranks > 1)
         if low_latency_mode:
             self._ll = self._start_low_latency(num_rdma_bytes)
         self._num_device_sms = torch.cuda.get_device_properties(info.device).multi_processor_count
@@ -419,7 +425,8 @@ class NativeBackend(Backend):
                      ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                               recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                              config, direct_rows=rows if direct else None, has_room=has_room)
+                              config, direct_rows=rows if direct else None, has_room=has_room,
+                              recv_rank_offsets=recv_rank_offsets)
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
@@ -465,10 +472,15 @@ class NativeBackend(Backend):
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
+                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True,
+                         recv_rank_offsets: Optional[torch.Tensor] = None,
+                         cached_src_idx: Optional[torch.Tensor] = None) -> None:
         # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
         self.last_dispatch_path = "rings" if direct_rows is None else "direct"
-        self._intranode().dispatch(
+        staged = direct_rows is not None and self._copy_engine_dispatch
+        if staged and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.info.device)
+        self.last_dispatch_copy_engine = self._intranode().dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
             num_scales=0 if x_scales is None else x_scales.size(1),
@@ -478,7 +490,11 @@ class NativeBackend(Backend):
             recv_x_scales=_address(recv_scales), recv_topk_idx=_address(recv_topk_idx),
             recv_topk_weights=_address(recv_topk_weights), recv_src_idx=_address(recv_src_idx),
             num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream(),
-            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room)
+            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room,
+            staging_bytes=self._staging_bytes if staged else 0,
+            side_stream=self._side_stream.cuda_stream if staged else 0,
+            recv_rank_offsets=_address(recv_rank_offsets) if staged else 0,
+            cached_src_idx=_address(cached_src_idx) if staged else 0)
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
@@ -490,7 +506,8 @@ class NativeBackend(Backend):
             direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
         self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
                               handle.num_worst_tokens, handle.num_recv_device, config,
-                              direct_rows=rows if direct else None, has_room=has_room)
+                              direct_rows=rows if direct else None, has_room=has_room,
+                              recv_rank_offsets=handle.recv_rank_offsets, cached_src_idx=handle.recv_src_idx)
         return recv_x, recv_scales
 
     def combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
