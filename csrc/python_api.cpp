@@ -110,7 +110,8 @@ bool runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
     return false;
   }
   const StagedDispatch staged{staging_bytes, as_stream(side_stream)};
-  return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream), staging_bytes > 0 ? &staged : nullptr);
+  return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream),
+                                 staging_bytes > 0 ? &staged : nullptr);
 }
 
 void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,

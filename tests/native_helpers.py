@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ep_plugin.fp8 import quantize
+from ep_plugin.tuning import Config
 from ep_plugin.launch import RANKS_PER_GPU_ENV, finish_rank, rank_slots
 from ep_plugin.testing import raw_bytes
 
@@ -35,6 +36,22 @@ NORMAL_MODE_CASES = (
        dict(name="bias2", T=256, H=4096, K=8, E=64, bias=2),
        dict(name="large", T=4096, H=7168, K=8, E=256)]
 )
+
+
+def max_test_sms() -> int:
+    """EP_TEST_MAX_SMS: the most SMs a native test case may ask for (0, the default: no cap). Ranks that
+    share one GPU under CUDA MPS each see a share of its SMs, and a ring kernel's blocks of every rank
+    must be resident at once; a capped case runs with fewer channels, its other settings unchanged."""
+    return int(os.environ.get("EP_TEST_MAX_SMS", "0"))
+
+
+def capped(config):
+    """`config` (a Config or None) with at most max_test_sms() SMs."""
+    cap = max_test_sms()
+    if config is None or cap == 0 or config.num_sms <= cap:
+        return config
+    return Config(cap, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
 
 
 def multi_gpu_ranks() -> int:
@@ -158,7 +175,8 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
 
     `case`: T, H, K, E; optional routing, fp8, weights, empty_rank, alignment, num_worst_slack (padding
     rows past the most a rank can receive, T x R: num_worst_tokens = T x R + slack), bias (0-2),
-    unlanded_words (0xffffffff words in x and the combine's inputs), config, combine_config, cached_config. Fresh random data from `seed`; outputs poisoned first.
+    unlanded_words (0xffffffff words in x and the combine's inputs), config, combine_config, cached_config
+    (each capped at EP_TEST_MAX_SMS). Fresh random data from `seed`; outputs poisoned first.
 
     Every rank makes every call of the case whatever its checks find; failed checks are raised at
     the end. (A rank that stopped at its first failed check would skip calls its peers still make,
@@ -176,7 +194,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     x, topk_idx, weights = make_inputs(rank, R, case, seed)
     E = case["E"]
     alignment = case.get("alignment", 1)
-    config = case.get("config")
+    config = capped(case.get("config"))
     poison(native)
     got_layout = native.get_dispatch_layout(topk_idx, E)
     want_layout = reference.get_dispatch_layout(topk_idx, E)
@@ -233,7 +251,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
         bias = tuple((torch.randn(T, expert_out.size(1), generator=gen)).to(torch.bfloat16).cuda()
                      for _ in range(case["bias"]))
         bias = bias[0] if len(bias) == 1 else bias
-    combine_config = case.get("combine_config")
+    combine_config = capped(case.get("combine_config"))
     poison(native)
     got_c = native.combine(expert_out, got[4], topk_weights=combine_weights, bias=bias, config=combine_config)
     want_c = reference.combine(expert_out[:n], want[4], topk_weights=want_combine_weights, bias=bias)
@@ -264,7 +282,7 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
     # Cached dispatch of new data with the same layout (and the same or another ring size).
     x2, _, _ = make_inputs(rank, R, case, seed + 99991)
     poison(native)
-    got2 = native.dispatch(x2, handle=got[4], config=case.get("cached_config", config))
+    got2 = native.dispatch(x2, handle=got[4], config=capped(case.get("cached_config", config)))
     want2 = reference.dispatch(x2, handle=want[4])
 
     def check_cached() -> None:

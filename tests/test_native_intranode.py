@@ -15,8 +15,8 @@ from ep_plugin import Buffer, Config
 from ep_plugin.config import as_config
 from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, missing_peer_scenario,
-                            multi_gpu_ranks, needs_ranks, poison_allocator, run_case)
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, max_test_sms,
+                            missing_peer_scenario, multi_gpu_ranks, needs_ranks, poison_allocator, run_case)
 
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
@@ -26,6 +26,7 @@ def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: f
                  check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0,
                  dispatch_copy_engine: bool = False):
     R = group.size()
+    num_sms = min(num_sms, max_test_sms() or num_sms)
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,
                     config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
@@ -95,7 +96,8 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
                 assert not native._backend.direct_fell_back(), "the direct dispatch fell back to the rings"
             want_copy_engine = dispatch_copy_engine and path == "direct" and copy_engine_expected(native, case, rank, R)
             got_copy_engine = native._backend.last_dispatch_copy_engine
-            assert got_copy_engine == want_copy_engine, f"rows by copy engine: {got_copy_engine}, expected {want_copy_engine}"
+            assert got_copy_engine == want_copy_engine, \
+                f"rows by copy engine: {got_copy_engine}, expected {want_copy_engine}"
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -150,12 +152,15 @@ def test_cases_multi_rank_register_copies():
 
 # The direct dispatch: every rank's outputs in its output region, written by the senders themselves.
 # The region holds the outputs a case keeps alive at once (a dispatch, its handle and a cached
-# dispatch: at most 2 x 8192 rows of 14336 bytes at 2 ranks, and their metadata).
-DIRECT_OUTPUT_BYTES = 512 << 20
+# dispatch: at most 2 x 4096 x R rows of 14336 bytes, and their metadata): 256 MB per rank.
+# (A region of 512 MB at 8 ranks made `large` fall back to the rings, correctly: twenty-first session.)
+def direct_output_bytes(R: int) -> int:
+    return R * (256 << 20)
+
 
 
 def direct_cases_rank(rank: int, R: int, group, names) -> list:
-    return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES)
+    return cases_rank(rank, R, group, names, dispatch_output_bytes=direct_output_bytes(R))
 
 
 @needs_ranks(RANKS)
@@ -173,7 +178,8 @@ CHUNK_CASES = ("hidden7168", "fp8_hidden1536", "topk9", "routing_one_rank", "emp
 
 def direct_chunk_cases_rank(rank: int, R: int, group, names, chunk_tokens) -> list:
     os.environ["EP_PLUGIN_DIRECT_CHUNK"] = str(chunk_tokens)  # read when the native Buffer is created
-    return cases_rank(rank, R, group, names, dispatch_output_bytes=DIRECT_OUTPUT_BYTES, expect_chunk_tokens=chunk_tokens)
+    return cases_rank(rank, R, group, names, dispatch_output_bytes=direct_output_bytes(R),
+                      expect_chunk_tokens=chunk_tokens)
 
 
 @needs_ranks(RANKS)
@@ -194,7 +200,7 @@ STAGED_X_OVERFLOW_CASES = ("large", "sms16", "hidden7168", "fp8_hidden7168", "em
 
 
 def copy_engine_cases_rank(rank: int, R: int, group, names, combine_staging_tokens) -> list:
-    return cases_rank(rank, R, group, names, combine_staging_tokens, dispatch_output_bytes=DIRECT_OUTPUT_BYTES,
+    return cases_rank(rank, R, group, names, combine_staging_tokens, dispatch_output_bytes=direct_output_bytes(R),
                       dispatch_copy_engine=True)
 
 
@@ -228,7 +234,7 @@ def region_full_cases_rank(rank: int, R: int, group, names, full_on, dispatch_co
     dispatch fell back. With copy-engine rows, the copies made before the kernel found the region full
     must still land and the staging area be released for the next call."""
     torch.manual_seed(rank)
-    native, reference = make_buffers(group, dispatch_output_bytes=DIRECT_OUTPUT_BYTES,
+    native, reference = make_buffers(group, dispatch_output_bytes=direct_output_bytes(R),
                                      dispatch_copy_engine=dispatch_copy_engine)
     region = native._backend._outputs
     fell_back = []
@@ -374,7 +380,7 @@ def test_1000_back_to_back_iterations():
 # ---- failures: a missing peer, bad input ------------------------------------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096,
-                             dispatch_output_bytes=DIRECT_OUTPUT_BYTES if op == "cached_dispatch_direct" else 0)
+                             dispatch_output_bytes=direct_output_bytes(R) if op == "cached_dispatch_direct" else 0)
     case = dict(T=64, H=2048, K=4, E=16)
     x, topk_idx, weights = make_inputs(rank, R, case, seed=1)
     layout = native.get_dispatch_layout(topk_idx, 16)

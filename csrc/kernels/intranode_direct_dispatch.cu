@@ -273,7 +273,8 @@ __device__ void signal_metadata_written(const DispatchArgs& a, Header* me, uint3
   me->metadata_blocks_done = 0;
   __threadfence_system();
   for (int r = 0; r < a.num_ranks; ++r)
-    if (r != a.rank) st_release_sys(&header_of(a.peer_buffers, r)->direct_metadata_done[a.rank], pack_counter(epoch, 0, true));
+    if (r != a.rank)
+      st_release_sys(&header_of(a.peer_buffers, r)->direct_metadata_done[a.rank], pack_counter(epoch, 0, true));
 }
 
 __device__ __forceinline__ bool epoch_reached(uint64_t word, uint32_t epoch) {
