@@ -344,8 +344,8 @@ void IntranodeRuntime::copy_x_to_peer(const intranode::DispatchArgs& args, int p
   CUDA_CHECK(cudaStreamWaitEvent(stream, fork_, 0));
   // The peer must have finished reading (and refilled) its area after the call before.
   wait_for_owner(&mine->staged_released[peer], epoch - 1, peer, -1, stream);
-  const int peer_index = rank_ < peer ? rank_ : rank_ - 1;
-  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[peer]) + staging_offset_ + peer_index * args.staging_peer_bytes;
+  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[peer]) +
+                    intranode::staged_x_offset(staging_offset_, args.staging_peer_bytes, peer, rank_);
   CUDA_CHECK(cudaMemcpyAsync(region, args.x, static_cast<int64_t>(args.num_tokens) * args.row_bytes,
                              cudaMemcpyDeviceToDevice, stream));
   signal_landed(peer, intranode::staged_word(epoch, static_cast<uint32_t>(args.num_tokens)), stream);
@@ -360,9 +360,9 @@ void IntranodeRuntime::release_dispatch_staging(const intranode::DispatchArgs& a
   CUDA_CHECK(cudaStreamWaitEvent(side, join_, 0));
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
-    const int peer_index = r < rank_ ? r : r - 1;
-    CUDA_CHECK(cudaMemsetAsync(static_cast<uint8_t*>(buffer_) + staging_offset_ + peer_index * args.staging_peer_bytes,
-                               0xff, args.staging_peer_bytes, side));
+    CUDA_CHECK(cudaMemsetAsync(
+        static_cast<uint8_t*>(buffer_) + intranode::staged_x_offset(staging_offset_, args.staging_peer_bytes, rank_, r),
+        0xff, args.staging_peer_bytes, side));
   }
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_)

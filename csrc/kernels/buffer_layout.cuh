@@ -181,6 +181,13 @@ struct StagingLayout {
   }
 };
 
+// Copy-engine dispatch rows: where writer's whole x lands in owner's staging area, which gives each
+// writing peer `peer_bytes` (row t at t * row_bytes from there).
+__host__ __device__ inline int64_t staged_x_offset(int64_t staging_offset, int64_t peer_bytes, int owner, int writer) {
+  const int peer_index = writer < owner ? writer : writer - 1;
+  return staging_offset + peer_index * peer_bytes;
+}
+
 // Bytes a buffer needs for `payload_bytes` per token (Config.get_nvl_buffer_size_hint).
 __host__ __device__ inline int64_t nvl_buffer_size_hint(int64_t payload_bytes, int num_ranks, int num_sms,
                                                         int recv_tokens_per_channel) {

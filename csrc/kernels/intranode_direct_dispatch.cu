@@ -290,9 +290,8 @@ __device__ void wait_for_word(const uint64_t* word, uint32_t epoch, int source, 
 
 // Source s's x in this rank's staging area (row t at t * row_bytes).
 __device__ __forceinline__ const int4* staged_x_of(const DispatchArgs& a, int source) {
-  const int peer_index = source < a.rank ? source : source - 1;
-  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.peer_buffers[a.rank]) + a.staging_offset +
-                                       peer_index * a.staging_peer_bytes);
+  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.peer_buffers[a.rank]) +
+                                       staged_x_offset(a.staging_offset, a.staging_peer_bytes, a.rank, source));
 }
 
 // Re-reads a staged unit until no word of it is unlanded or its source's copy is reported landed.
@@ -417,15 +416,8 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   __threadfence_system();
   for (int r = 0; r < a.num_ranks; ++r)
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
-  for (int r = 0; r < a.num_ranks; ++r) {
-    Deadline deadline(site);
-    while (true) {
-      // A peer already in its next call has written a later epoch.
-      const uint32_t seen = counter_epoch(ld_acquire_sys(&me->direct_done[r]));
-      if (static_cast<int32_t>(seen - epoch) >= 0) break;
-      deadline.check(kWaitPeerRows, r, epoch, seen);
-    }
-  }
+  // NOTE: a peer already in its next call has written a later epoch.
+  for (int r = 0; r < a.num_ranks; ++r) wait_for_word(&me->direct_done[r], epoch, r, kWaitPeerRows, site);
   if (a.staged_epoch > 0) wait_for_staged_copies(a, me, staged_from, a.staged_epoch, site);
   me->op_epoch = epoch;
   __threadfence();
