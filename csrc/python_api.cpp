@@ -73,7 +73,8 @@ void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintp
   runtime.notify(args, as_stream(stream));
 }
 
-bool runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
+// Returns how many of this rank's tokens had their rows go to the peers by copy engine.
+int runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
                       int num_tokens,
                       int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
@@ -107,7 +108,7 @@ bool runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_toke
   if (!direct) {
     EP_CHECK_ARG(staging_bytes == 0, "copy-engine dispatch rows need the direct dispatch (direct=True)");
     runtime.dispatch(args, as_stream(stream));
-    return false;
+    return 0;
   }
   const StagedDispatch staged{staging_bytes, as_stream(side_stream)};
   return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream),
@@ -311,6 +312,9 @@ PYBIND11_MODULE(_C, m) {
                              "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
       .def_property_readonly("direct_chunk_tokens", &IntranodeRuntime::direct_chunk_tokens,
                              "Tokens per chunk the direct dispatch's warps claim (0: fixed equal shares).")
+      .def_property_readonly("dispatch_ce_share", &IntranodeRuntime::dispatch_ce_share,
+                             "Percent of a rank's tokens (its last ones) whose rows go to the peers by copy engine "
+                             "with copy-engine dispatch rows (EP_PLUGIN_DISPATCH_CE_SHARE, default 100).")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
            "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })
@@ -338,8 +342,8 @@ PYBIND11_MODULE(_C, m) {
            "rank of the call must pass the same. has_room false: this rank's outputs are elsewhere (its region "
            "was full), and every rank falls back to the rings. staging_bytes > 0 (direct only, every rank alike): "
            "the rows cross NVLink by copy engine through the staging areas (recv_rank_offsets [R + 1], and "
-           "cached_src_idx for a cached dispatch; side_stream refills the area). Returns whether this rank's x "
-           "went by copy engine.")
+           "cached_src_idx for a cached dispatch; side_stream refills the area). Returns how many of this rank's "
+           "tokens (its last ones) had their rows go to the peers by copy engine.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),

@@ -120,6 +120,11 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(blocks, "%d", &staged_max_blocks_) == 1 && staged_max_blocks_ >= 0,
                  "EP_PLUGIN_STAGED_MAX_BLOCKS must be an integer >= 0, got " << blocks);
   }
+  if (const char* share = std::getenv("EP_PLUGIN_DISPATCH_CE_SHARE")) {
+    EP_CHECK_ARG(std::sscanf(share, "%d", &dispatch_ce_share_) == 1 && dispatch_ce_share_ >= 0 &&
+                     dispatch_ce_share_ <= 100,
+                 "EP_PLUGIN_DISPATCH_CE_SHARE must be a percentage from 0 to 100, got " << share);
+  }
   if (const char* chunk = std::getenv("EP_PLUGIN_DIRECT_CHUNK")) {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
                  "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
@@ -275,7 +280,7 @@ void IntranodeRuntime::require_in_output_region(const void* output, int64_t byte
                                    << output_bytes_ << " bytes (buffer.dispatch_output_bytes)");
 }
 
-bool IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
+int IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
                                        cudaStream_t stream, const StagedDispatch* staged) {
   require_connected();
   EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
@@ -305,10 +310,9 @@ bool IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
     args.direct_max_blocks = staged_max_blocks_;
     args.staging_offset = staging_offset_;
     args.staging_peer_bytes = staging_peer_bytes(staged->staging_bytes);
-    args.rows_staged =
-        args.num_tokens > 0 && static_cast<int64_t>(args.num_tokens) * args.row_bytes <= args.staging_peer_bytes;
+    args.staged_tokens = staged_token_count(args.num_tokens, args.row_bytes, args.staging_peer_bytes);
     CUDA_CHECK(cudaEventRecord(fork_, stream));
-    if (args.rows_staged)
+    if (args.staged_tokens > 0)
       for (int r = 0; r < num_ranks_; ++r)
         if (r != rank_) copy_x_to_peer(args, r);
   }
@@ -318,7 +322,7 @@ bool IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
   args.only_after_fallback = true;
   intranode::launch_dispatch(args, stream);
   if (staged != nullptr) {
-    if (args.rows_staged) {
+    if (args.staged_tokens > 0) {
       for (int r = 0; r < num_ranks_; ++r) {
         if (r == rank_) continue;
         CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));  // x is read
@@ -330,11 +334,16 @@ bool IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
     }
     release_dispatch_staging(args, stream, staged->side);
   }
-  return args.rows_staged;
+  return args.staged_tokens;
 }
 
 int64_t IntranodeRuntime::staging_peer_bytes(int64_t staging_bytes) const {
   return num_ranks_ > 1 ? staging_bytes / (num_ranks_ - 1) / 256 * 256 : 0;
+}
+
+int IntranodeRuntime::staged_token_count(int num_tokens, int row_bytes, int64_t peer_bytes) const {
+  const int64_t share = (static_cast<int64_t>(num_tokens) * dispatch_ce_share_ + 99) / 100;
+  return static_cast<int>(std::min({share, peer_bytes / row_bytes, static_cast<int64_t>(num_tokens)}));
 }
 
 void IntranodeRuntime::copy_x_to_peer(const intranode::DispatchArgs& args, int peer) {
@@ -346,9 +355,11 @@ void IntranodeRuntime::copy_x_to_peer(const intranode::DispatchArgs& args, int p
   wait_for_owner(&mine->staged_released[peer], epoch - 1, peer, -1, stream);
   uint8_t* region = static_cast<uint8_t*>(peer_buffers_[peer]) +
                     intranode::staged_x_offset(staging_offset_, args.staging_peer_bytes, peer, rank_);
-  CUDA_CHECK(cudaMemcpyAsync(region, args.x, static_cast<int64_t>(args.num_tokens) * args.row_bytes,
-                             cudaMemcpyDeviceToDevice, stream));
-  signal_landed(peer, intranode::staged_word(epoch, static_cast<uint32_t>(args.num_tokens)), stream);
+  const int64_t first_staged = args.num_tokens - args.staged_tokens;
+  CUDA_CHECK(cudaMemcpyAsync(region, static_cast<const uint8_t*>(args.x) + first_staged * args.row_bytes,
+                             static_cast<int64_t>(args.staged_tokens) * args.row_bytes, cudaMemcpyDeviceToDevice,
+                             stream));
+  signal_landed(peer, intranode::staged_word(epoch, static_cast<uint32_t>(args.staged_tokens)), stream);
   CUDA_CHECK(cudaEventRecord(copy_done_[peer], stream));
 }
 

@@ -52,6 +52,7 @@ class IntranodeRuntime {
   int64_t staging_bytes() const { return staging_bytes_; }
   bool dispatch_bulk_rows() const { return dispatch_bulk_rows_; }
   int direct_chunk_tokens() const { return direct_chunk_tokens_; }
+  int dispatch_ce_share() const { return dispatch_ce_share_; }
   // The output region: its first byte's device address here, and its size.
   uintptr_t output_region_address() const;
   int64_t output_region_bytes() const { return output_bytes_; }
@@ -71,11 +72,12 @@ class IntranodeRuntime {
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
   // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
   // in its region (has_room false: the region was full) makes every rank fall back to the rings.
-  // With `staged` (every rank alike), the rows cross NVLink by copy engine: this rank's whole x goes
-  // into each peer's staging area (when it fits there), and each rank's SMs move the rows it receives
-  // from its own area; args.recv_rank_offsets, and args.cached_src_idx or args.recv_src_idx, are set.
-  // Returns whether this rank's x went by copy engine.
-  bool direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream,
+  // With `staged` (every rank alike), the rows cross NVLink by copy engine: the rows of this rank's last
+  // tokens go into each peer's staging area (staged_token_count: as many as fit, all by default), and each
+  // rank's SMs move the rows it receives from its own area; the SMs store the first tokens' rows to the
+  // peers. args.recv_rank_offsets, and args.cached_src_idx or args.recv_src_idx, are set.
+  // Returns how many of this rank's tokens had their rows go by copy engine.
+  int direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream,
                        const StagedDispatch* staged = nullptr);
   // Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).
   bool direct_fell_back() const;
@@ -115,8 +117,11 @@ class IntranodeRuntime {
                        cudaStream_t side);
   // Bytes of each source's part of a staging area of `staging_bytes` (copy-engine dispatch rows).
   int64_t staging_peer_bytes(int64_t staging_bytes) const;
+  // How many of a rank's last tokens go by copy engine: the share EP_PLUGIN_DISPATCH_CE_SHARE gives them
+  // (rounded up), at most what fits the rank's part of a peer's area, `peer_bytes`.
+  int staged_token_count(int num_tokens, int row_bytes, int64_t peer_bytes) const;
   // The copy-engine dispatch's sender side for one peer, on its copy stream: once the peer has released
-  // its staging area, this rank's x goes there in one copy, then the landed word.
+  // its staging area, the rows of this rank's staged tokens go there in one copy, then the landed word.
   void copy_x_to_peer(const intranode::DispatchArgs& args, int peer);
   // After the direct kernel: refill this rank's staging area with unlanded bytes and tell every sender
   // that the area is free (as release_staging does after a combine).
@@ -149,6 +154,9 @@ class IntranodeRuntime {
   // EP_PLUGIN_STAGED_MAX_BLOCKS (0: num_sms).
   int staged_max_blocks_ = 0;
   int direct_chunk_tokens_ = 1;  // EP_PLUGIN_DIRECT_CHUNK: tokens per claimed chunk (0: fixed shares)
+  // EP_PLUGIN_DISPATCH_CE_SHARE: percent of a rank's tokens (its last ones) whose rows go to the peers by
+  // copy engine with copy-engine dispatch rows; the SMs store the first tokens' rows across NVLink.
+  int dispatch_ce_share_ = 100;
   uint32_t staged_epoch_ = 0;
   int self_copy_receiver_rounds_ = 0, self_copy_period_ = 1;
   bool late_scales_ = false;  // EP_PLUGIN_DISPATCH_LATE_SCALES

@@ -63,17 +63,18 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     return "copy_engine" if staged else "sm"
 
 
-def copy_engine_expected(native, case: dict, rank: int, R: int) -> bool:
-    """Whether this rank's x crosses NVLink by copy engine in `case`: it has tokens and they fit its
-    part of each peer's staging area (staging bytes / (R - 1), in whole 256-byte units)."""
+def staged_tokens_expected(native, case: dict, rank: int, R: int, share: int) -> int:
+    """How many of this rank's tokens (its last ones) cross NVLink by copy engine in `case`: `share`
+    percent of them, rounded up, but no more rows than fit its part of each peer's staging area
+    (staging bytes / (R - 1), in whole 256-byte units)."""
     T = 0 if case.get("empty_rank") and rank == R - 1 else case["T"]
     row_bytes = case["H"] * (1 if case.get("fp8") else 2)
     peer_bytes = native._backend._staging_bytes // (R - 1) // 256 * 256
-    return T > 0 and T * row_bytes <= peer_bytes
+    return min(-(-T * share // 100), peer_bytes // row_bytes, T)
 
 
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
-               dispatch_output_bytes=0, expect_chunk_tokens=1, dispatch_copy_engine=False) -> list:
+               dispatch_output_bytes=0, expect_chunk_tokens=1, dispatch_copy_engine=False, ce_share=100) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes,
@@ -84,6 +85,7 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
         expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
     assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
     assert native._backend._runtime.direct_chunk_tokens == expect_chunk_tokens
+    assert native._backend._runtime.dispatch_ce_share == ce_share
     done = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
         try:
@@ -94,10 +96,11 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             assert path == expect_dispatch_path, f"dispatch ran on the {path} path"
             if path == "direct":
                 assert not native._backend.direct_fell_back(), "the direct dispatch fell back to the rings"
-            want_copy_engine = dispatch_copy_engine and path == "direct" and copy_engine_expected(native, case, rank, R)
-            got_copy_engine = native._backend.last_dispatch_copy_engine
-            assert got_copy_engine == want_copy_engine, \
-                f"rows by copy engine: {got_copy_engine}, expected {want_copy_engine}"
+            want_staged = staged_tokens_expected(native, case, rank, R, ce_share) \
+                if dispatch_copy_engine and path == "direct" else 0
+            got_staged = native._backend.last_dispatch_staged_tokens
+            assert got_staged == want_staged, f"tokens whose rows went by copy engine: {got_staged}, expected {want_staged}"
+            assert native._backend.last_dispatch_copy_engine == (want_staged > 0)
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -193,25 +196,33 @@ def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens):
 # Copy-engine rows (buffer.dispatch_copy_engine): each rank's x goes whole into its peers' staging areas by
 # copy engine, and each rank's SMs move the rows it receives from its own area into recv_x as they land.
 # With the default staging area every case's x fits. With one of 1024 rows the larger cases' x does not:
-# those ranks' SMs write their rows to the peers instead, beside ranks whose x went by copy engine (the
-# empty rank's x never does). unlanded_words puts the staging areas' not-landed mark into x.
+# those ranks stage the rows of their last tokens that fit, and their SMs store the first tokens' rows to
+# the peers, beside ranks whose x went whole (the empty rank's x never goes). EP_PLUGIN_DISPATCH_CE_SHARE
+# leaves the first tokens to the SMs by choice: 60% staged splits every case's x, 1% stages a token or a
+# few. unlanded_words puts the staging areas' not-landed mark into x.
 STAGED_X_OVERFLOW_CASES = ("large", "sms16", "hidden7168", "fp8_hidden7168", "empty_rank", "num_worst",
                            "routing_one_rank", "unlanded_words")
+CE_SHARE_CASES = ("hidden7168", "fp8_hidden7168", "hidden1536", "topk9", "routing_one_rank", "empty_rank",
+                  "no_weights", "num_worst", "large", "sms2", "unlanded_words")
 
 
-def copy_engine_cases_rank(rank: int, R: int, group, names, combine_staging_tokens) -> list:
+def copy_engine_cases_rank(rank: int, R: int, group, names, combine_staging_tokens, ce_share) -> list:
+    os.environ["EP_PLUGIN_DISPATCH_CE_SHARE"] = str(ce_share)  # read when the native Buffer is created
     return cases_rank(rank, R, group, names, combine_staging_tokens, dispatch_output_bytes=direct_output_bytes(R),
-                      dispatch_copy_engine=True)
+                      dispatch_copy_engine=True, ce_share=ce_share)
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("combine_staging_tokens,names", [(4096, tuple(c["name"] for c in CASES)),
-                                                         (1024, STAGED_X_OVERFLOW_CASES)],
-                         ids=["x_fits", "large_x_by_sms"])
-def test_cases_multi_rank_copy_engine_dispatch(combine_staging_tokens, names):
+@pytest.mark.parametrize("combine_staging_tokens,ce_share,names", [(4096, 100, tuple(c["name"] for c in CASES)),
+                                                                  (1024, 100, STAGED_X_OVERFLOW_CASES),
+                                                                  (4096, 60, CE_SHARE_CASES),
+                                                                  (4096, 1, CE_SHARE_CASES)],
+                         ids=["x_fits", "large_x_partly_by_sms", "share_60", "share_1"])
+def test_cases_multi_rank_copy_engine_dispatch(combine_staging_tokens, ce_share, names):
     in_order = [c["name"] for c in CASES if c["name"] in names]
     assert sorted(in_order) == sorted(names)
-    assert parallel_launch(RANKS, copy_engine_cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
+    assert parallel_launch(RANKS, copy_engine_cases_rank, in_order, combine_staging_tokens, ce_share) == \
+        [in_order] * RANKS
 
 
 @needs_ranks(RANKS)

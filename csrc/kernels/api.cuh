@@ -77,12 +77,14 @@ struct DispatchArgs {
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
-  // Direct dispatch with copy-engine rows (IntranodeRuntime::direct_dispatch): each rank's x went whole
-  // into its peers' staging areas, and every rank's SMs move the rows it receives from there.
+  // Direct dispatch with copy-engine rows (IntranodeRuntime::direct_dispatch): the last staged_tokens rows
+  // of each rank's x went into its peers' staging areas by copy engine, and every rank's SMs move the rows
+  // it receives from there. Rows of the tokens before those go to the peers by SM stores.
   uint32_t staged_epoch;            // > 0: this call's number in the staging area's sequence; 0: no copy engine
-  bool rows_staged;                 // this rank's x went to its peers (else its SMs write its rows there)
+  int staged_tokens;                // this rank's last tokens whose rows its peers get by copy engine (0: none)
   int64_t staging_offset;           // where the staging area starts in every rank's buffer
-  int64_t staging_peer_bytes;       // bytes per source in it (source s's row t at t * row_bytes)
+  int64_t staging_peer_bytes;       // bytes per source in it (source s's staged row t at (t - first) * row_bytes,
+                                    // first = the source's first staged token)
   const int32_t* recv_rank_offsets; // [R + 1]: first received row of each source (copy-engine rows)
   const int32_t* cached_src_idx;    // [rows]: source token of each received row (cached dispatch), or nullptr
   DeviceStatus* status;

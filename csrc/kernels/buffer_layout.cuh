@@ -181,8 +181,9 @@ struct StagingLayout {
   }
 };
 
-// Copy-engine dispatch rows: where writer's whole x lands in owner's staging area, which gives each
-// writing peer `peer_bytes` (row t at t * row_bytes from there).
+// Copy-engine dispatch rows: where writer's staged rows land in owner's staging area, which gives each
+// writing peer `peer_bytes`. A writer stages the rows of its last tokens: from its first staged token f on,
+// row t at (t - f) * row_bytes from there.
 __host__ __device__ inline int64_t staged_x_offset(int64_t staging_offset, int64_t peer_bytes, int owner, int writer) {
   const int peer_index = writer < owner ? writer : writer - 1;
   return staging_offset + peer_index * peer_bytes;

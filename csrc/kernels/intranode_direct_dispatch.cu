@@ -14,12 +14,15 @@
 // - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes chunks of tokens, one at
 //   a time from a counter (ClaimedTokens), and writes each row to every rank that has it, this rank
 //   included.
-// - Copy-engine rows (staged_epoch > 0): the host has copied each rank's whole x into its peers'
-//   staging areas (one cudaMemcpyAsync per peer, runtime.cu), so no SM stores a row across NVLink.
-//   Each rank's warps write every token's metadata first, then copy the rank's own rows, then move
-//   the rows it receives from the staging area into recv_x as they land (staging_marks.cuh): row
-//   recv_src_idx[pos] of source s's x goes to row pos. A rank whose x did not fit its peers' areas
-//   says so at the handshake, and its warps write its rows to the peers as above.
+// - Copy-engine rows (staged_epoch > 0): the host copies the rows of each rank's last staged_tokens
+//   tokens into its peers' staging areas (one cudaMemcpyAsync per peer, runtime.cu); no SM stores those
+//   across NVLink. Each rank's warps write every token's metadata first, then the rows of its first
+//   tokens to every rank that has them and its own rows of the staged tokens, then move the rows it
+//   receives from the staging area into recv_x as they land (staging_marks.cuh): row recv_src_idx[pos]
+//   of source s goes to row pos. Each rank tells its first staged token at the handshake: all of x
+//   when it goes whole (the default), a later one when x is larger than the area or when
+//   EP_PLUGIN_DISPATCH_CE_SHARE leaves the first tokens to the SMs, whose stores then start at once
+//   while the copy engine starts up.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -52,15 +55,21 @@ __device__ __forceinline__ T* output_at(void* base, uint64_t offset) {
                                                    : reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
 }
 
-// The handshake word's count: bit 0, the outputs are in the rank's region; bit 1, its rows for its
-// peers went into their staging areas (copy-engine rows).
-constexpr uint32_t kHasRoom = 1, kRowsStaged = 2;
+// The handshake word's count: bit 0, the outputs are in the rank's region; bits 1-30, 1 + the rank's
+// first token whose rows went into its peers' staging areas (copy-engine rows), 0 when none did.
+constexpr uint32_t kHasRoom = 1;
+constexpr int kNotStaged = -1;
+
+__device__ __forceinline__ uint32_t handshake_count(const DispatchArgs& a) {
+  const uint32_t first_staged = a.staged_tokens > 0 ? static_cast<uint32_t>(a.num_tokens - a.staged_tokens) + 1u : 0u;
+  return (a.direct_has_room ? kHasRoom : 0u) | first_staged << 1;
+}
 
 // Thread r < R: tells rank r where this rank's outputs are, then waits for rank r's word (rank r
-// has entered the call) and returns its outputs, whether they are in rank r's region, and whether
-// rank r's rows for this rank are in this rank's staging area.
+// has entered the call) and returns its outputs, whether they are in rank r's region, and rank r's
+// first token whose row for this rank is in this rank's staging area (kNotStaged: none).
 __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
-                                        bool& peer_has_room, bool& peer_staged) {
+                                        bool& peer_has_room, int& peer_first_staged) {
   const int r = threadIdx.x;
   const void* own_base = a.peer_buffers[a.rank];
   Header* peer = header_of(a.peer_buffers, r);
@@ -70,8 +79,7 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
   mine.recv_topk_idx = offset_in(own_base, a.recv_topk_idx);
   mine.recv_topk_weights = offset_in(own_base, a.recv_topk_weights);
   mine.recv_src_idx = offset_in(own_base, a.recv_src_idx);
-  const uint32_t flags = (a.direct_has_room ? kHasRoom : 0u) | (a.rows_staged ? kRowsStaged : 0u);
-  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, flags, false));
+  st_release_sys(&peer->direct_ready[a.rank], pack_counter(epoch, handshake_count(a), false));
 
   Deadline deadline(site);
   uint64_t ready;
@@ -81,7 +89,8 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
     deadline.check(kWaitPeerOutputs, r, epoch, counter_epoch(ready));
   }
   peer_has_room = (counter_count(ready) & kHasRoom) != 0;
-  peer_staged = r != a.rank && (counter_count(ready) & kRowsStaged) != 0;
+  const uint32_t first_staged = counter_count(ready) >> 1;
+  peer_first_staged = r != a.rank && first_staged > 0 ? static_cast<int>(first_staged - 1u) : kNotStaged;
   // NOTE: acquire loads, so that no word of an earlier call's outputs comes from a stale L1 line.
   const DirectOutputs& theirs = me->direct_outputs[r];
   auto word = [](const int64_t& field) { return ld_acquire_sys(reinterpret_cast<const uint64_t*>(&field)); };
@@ -180,13 +189,12 @@ struct TokenMetadata {
   }
 };
 
-// What a sender warp writes per token: rows and metadata (without copy-engine rows), rows only (the
-// metadata went first), or only this rank's own rows (the peers' rows went by copy engine).
-enum class SenderWork { kRowsAndMetadata, kRows, kOwnRows };
-
-template <bool kBulk>
+// A sender warp writes each token's rows and metadata. With copy-engine rows (kStaged) the metadata went
+// first, and of the staged tokens (the last staged_tokens) it writes only this rank's own rows: the peers'
+// rows went by copy engine.
+template <bool kBulk, bool kStaged>
 __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], Header* me,
-                              uint8_t* shared, SenderWork work) {
+                              uint8_t* shared) {
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
@@ -197,10 +205,13 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
                        claims);
   SenderRows<kBulk> rows(a, shared, warp, kWarpsPerChannel);
   DirectSenderCycles cycles;
-  const bool with_metadata = work == SenderWork::kRowsAndMetadata;
-  const bool lane_gets_rows = lane < R && (work != SenderWork::kOwnRows || lane == a.rank);
+  constexpr bool with_metadata = !kStaged;
   // NOTE: the next row's positions load during this row when it is in the same chunk.
-  auto load_pos = [&](int t) { return lane_gets_rows && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  auto load_pos = [&](int t) {
+    bool lane_gets_row = lane < R && t >= 0;
+    if constexpr (kStaged) lane_gets_row = lane_gets_row && (t < a.num_tokens - a.staged_tokens || lane == a.rank);
+    return lane_gets_row ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+  };
   int prefetched_token = -1, prefetched_pos = -1;
   for (int k = 0; tokens.begin_row(k); ++k) {
     const int t = tokens.token(k);
@@ -288,7 +299,7 @@ __device__ void wait_for_word(const uint64_t* word, uint32_t epoch, int source, 
   while (!epoch_reached(value = ld_acquire_sys(word), epoch)) deadline.check(kind, source, epoch, counter_epoch(value));
 }
 
-// Source s's x in this rank's staging area (row t at t * row_bytes).
+// Source s's staged rows in this rank's staging area (from its first staged token on).
 __device__ __forceinline__ const int4* staged_x_of(const DispatchArgs& a, int source) {
   return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.peer_buffers[a.rank]) +
                                        staged_x_offset(a.staging_offset, a.staging_peer_bytes, a.rank, source));
@@ -330,17 +341,18 @@ __device__ void move_staged_row(const int4* src, int4* dst, int num_units, const
   }
 }
 
-// The rows this rank receives from the staged sources: source s's block of recv_x, in recv order.
+// The rows this rank receives from the staged sources: source s's block of recv_x, in recv order. The
+// rows of a source's tokens before its first staged one (a prefix of the block) came by SM stores.
 struct StagedBlocks {
   int begin[kMaxNvlPeers];  // first received row of the source's block
   int count[kMaxNvlPeers];  // its rows (0: not staged)
   int total;
 
-  __device__ StagedBlocks(const DispatchArgs& a, const bool (&staged_from)[kMaxNvlPeers]) : total(0) {
+  __device__ StagedBlocks(const DispatchArgs& a, const int (&first_staged)[kMaxNvlPeers]) : total(0) {
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r) {
       begin[r] = r < a.num_ranks ? a.recv_rank_offsets[r] : 0;
-      count[r] = r < a.num_ranks && staged_from[r] ? a.recv_rank_offsets[r + 1] - begin[r] : 0;
+      count[r] = r < a.num_ranks && first_staged[r] != kNotStaged ? a.recv_rank_offsets[r + 1] - begin[r] : 0;
       total += count[r];
     }
   }
@@ -355,12 +367,12 @@ struct StagedBlocks {
   }
 };
 
-// Each warp claims staged rows one at a time and moves them: row pos of source s's block is row
-// src_idx[pos] of s's x. Without the handle's source indices (a cached dispatch has them), the warp
-// first waits until s has written them (direct_metadata_done).
-__device__ void move_staged_rows(const DispatchArgs& a, Header* me, const bool (&staged_from)[kMaxNvlPeers],
+// Each warp claims staged sources' rows one at a time and moves those that were staged: row pos of source
+// s's block is token src_idx[pos] of s. Without the handle's source indices (a cached dispatch has them),
+// the warp first waits until s has written them (direct_metadata_done).
+__device__ void move_staged_rows(const DispatchArgs& a, Header* me, const int (&first_staged)[kMaxNvlPeers],
                                  uint32_t epoch, const WaitSite& site) {
-  const StagedBlocks blocks(a, staged_from);
+  const StagedBlocks blocks(a, first_staged);
   const int lane = lane_id();
   const int num_units = a.row_bytes / 16;
   uint32_t metadata_seen = 0;  // sources whose metadata this warp has seen written
@@ -381,7 +393,8 @@ __device__ void move_staged_rows(const DispatchArgs& a, Header* me, const bool (
     }
     // NOTE: written by the source through NVLink; read from L2, never from a stale L1 line.
     const int t = ld_cg_s32(src_idx + pos);
-    move_staged_row(staged_x_of(a, source) + static_cast<int64_t>(t) * num_units,
+    if (t < first_staged[source]) continue;  // the source's SMs wrote this row
+    move_staged_row(staged_x_of(a, source) + static_cast<int64_t>(t - first_staged[source]) * num_units,
                     reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes),
                     num_units, &me->staged_landed[source], epoch, source, site);
   }
@@ -389,16 +402,16 @@ __device__ void move_staged_rows(const DispatchArgs& a, Header* me, const bool (
 
 // Thread 0: waits until every staged source's copy has landed whole (also its rows this rank does not
 // receive), so that the host may refill the area once the kernel has ended.
-__device__ void wait_for_staged_copies(const DispatchArgs& a, Header* me, const bool (&staged_from)[kMaxNvlPeers],
+__device__ void wait_for_staged_copies(const DispatchArgs& a, Header* me, const int (&first_staged)[kMaxNvlPeers],
                                        uint32_t epoch, const WaitSite& site) {
   for (int r = 0; r < a.num_ranks; ++r)
-    if (staged_from[r]) wait_for_word(&me->staged_landed[r], epoch, r, kWaitStagedDispatchRows, site);
+    if (first_staged[r] != kNotStaged) wait_for_word(&me->staged_landed[r], epoch, r, kWaitStagedDispatchRows, site);
 }
 
 // After every block's writes: the last block out tells each rank that this rank's rows are all
 // written, waits until every rank's rows are here, and ends the operation.
 __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
-                              const bool (&staged_from)[kMaxNvlPeers]) {
+                              const int (&first_staged)[kMaxNvlPeers]) {
   // NOTE: each thread's bulk stores completed (SenderRows::complete); the barrier and the system-scope
   // fence before the count make every block's writes visible before the last block's release.
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
@@ -418,7 +431,7 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
   // NOTE: a peer already in its next call has written a later epoch.
   for (int r = 0; r < a.num_ranks; ++r) wait_for_word(&me->direct_done[r], epoch, r, kWaitPeerRows, site);
-  if (a.staged_epoch > 0) wait_for_staged_copies(a, me, staged_from, a.staged_epoch, site);
+  if (a.staged_epoch > 0) wait_for_staged_copies(a, me, first_staged, a.staged_epoch, site);
   me->op_epoch = epoch;
   __threadfence();
 }
@@ -426,20 +439,21 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
 // kStaged: copy-engine rows (a kernel of its own, so that the plain path's registers stay as they were).
 template <bool kBulk, bool kStaged>
 __device__ void direct_rows_and_metadata(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers],
-                                         Header* me, uint8_t* shared, const bool (&staged_from)[kMaxNvlPeers],
+                                         Header* me, uint8_t* shared, const int (&first_staged)[kMaxNvlPeers],
                                          const WaitSite& site) {
   if constexpr (!kStaged) {
-    direct_sender<kBulk>(a, outputs, me, shared, SenderWork::kRowsAndMetadata);
+    direct_sender<kBulk, false>(a, outputs, me, shared);
     return;
   }
   // Copy-engine rows: the metadata first (a peer's warps need its source indices to move its rows),
-  // then this rank's rows, then the received rows as they land.
+  // then the rows the SMs write (the first tokens' rows to every rank, then the own rows of the staged
+  // ones), then the received rows as they land.
   if (has_metadata(a)) {
     write_all_metadata(a, outputs);
     signal_metadata_written(a, me, a.staged_epoch);
   }
-  direct_sender<kBulk>(a, outputs, me, shared, a.rows_staged ? SenderWork::kOwnRows : SenderWork::kRows);
-  move_staged_rows(a, me, staged_from, a.staged_epoch, site);
+  direct_sender<kBulk, true>(a, outputs, me, shared);
+  move_staged_rows(a, me, first_staged, a.staged_epoch, site);
 }
 
 template <bool kStaged>
@@ -448,19 +462,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   // a third of their rate when one more static byte array left them only 16-byte aligned.
   extern __shared__ __align__(128) uint8_t shared[];
   __shared__ PeerOutputs outputs[kMaxNvlPeers];
-  __shared__ bool staged_from[kMaxNvlPeers];  // [r]: rank r's rows for this rank are in its staging area
+  __shared__ int first_staged[kMaxNvlPeers];  // [r]: rank r's first token staged here (kNotStaged: none)
   Header* me = header_of(args.peer_buffers, args.rank);
   const uint32_t epoch = me->op_epoch + 1;
   // NOTE: a timeout report's "channel" is the block here.
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank,
                       static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x >> 5)};
-  bool peer_has_room = true, peer_staged = false;
+  bool peer_has_room = true;
+  int peer_first_staged = kNotStaged;
   direct_mark(kMarkStart);
-  if (threadIdx.x < kMaxNvlPeers) staged_from[threadIdx.x] = false;
+  if (threadIdx.x < kMaxNvlPeers) first_staged[threadIdx.x] = kNotStaged;
   __syncthreads();
   if (threadIdx.x < args.num_ranks) {
-    outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room, peer_staged);
-    staged_from[threadIdx.x] = peer_staged;
+    outputs[threadIdx.x] = exchange_outputs(args, me, epoch, site, peer_has_room, peer_first_staged);
+    first_staged[threadIdx.x] = peer_first_staged;
   }
   const bool every_rank_has_room = __syncthreads_and(peer_has_room);
   // NOTE: read by the ring kernel launched after this one, once this kernel has ended (it waits for
@@ -469,18 +484,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   if (!every_rank_has_room) {
     // The ring kernel moves the rows; the staged copies must still land before the host refills the area.
     if (blockIdx.x == 0 && threadIdx.x == 0 && args.staged_epoch > 0)
-      wait_for_staged_copies(args, me, staged_from, args.staged_epoch, site);
+      wait_for_staged_copies(args, me, first_staged, args.staged_epoch, site);
     return;
   }
   direct_mark(kMarkExchanged);
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
-  if (args.bulk_rows) direct_rows_and_metadata<true, kStaged>(args, outputs, me, shared, staged_from, site);
+  if (args.bulk_rows) direct_rows_and_metadata<true, kStaged>(args, outputs, me, shared, first_staged, site);
   else
 #endif
-    direct_rows_and_metadata<false, kStaged>(args, outputs, me, shared, staged_from, site);
+    direct_rows_and_metadata<false, kStaged>(args, outputs, me, shared, first_staged, site);
   direct_mark_block(kMarkRowsWritten);
-  finish_direct(args, me, epoch, site, staged_from);
+  finish_direct(args, me, epoch, site, first_staged);
   report_direct_phases(args.rank, args.num_tokens, args.row_bytes, args.topk_idx == nullptr);
 }
 
@@ -494,9 +509,14 @@ void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   if (args.staged_epoch > 0) {
     EP_CHECK_ARG(args.num_ranks >= 2 && args.staging_peer_bytes > 0 && args.recv_rank_offsets != nullptr,
                  "copy-engine dispatch rows need 2 or more ranks, a staging area and recv_rank_offsets");
+    EP_CHECK_ARG(args.staged_tokens >= 0 && args.staged_tokens <= args.num_tokens &&
+                     static_cast<int64_t>(args.staged_tokens) * args.row_bytes <= args.staging_peer_bytes,
+                 "staged_tokens (" << args.staged_tokens << ") must be in [0, num_tokens] and fit staging_peer_bytes");
+    EP_CHECK_ARG(args.num_tokens < (1 << 29), "copy-engine dispatch rows: the handshake holds tokens below 2^29");
     const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel<true>>(args);
     direct_dispatch_kernel<true><<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
   } else {
+    EP_CHECK_ARG(args.staged_tokens == 0, "staged_tokens needs copy-engine rows (staged_epoch > 0)");
     const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel<false>>(args);
     direct_dispatch_kernel<false><<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
   }

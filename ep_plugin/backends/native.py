@@ -226,8 +226,10 @@ class NativeBackend(Backend):
         self._side_stream: Optional[torch.cuda.Stream] = None
         self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
-        # Whether this rank's rows of the last direct dispatch crossed NVLink by copy engine.
+        # Whether (some of) this rank's rows of the last direct dispatch crossed NVLink by copy engine, and for
+        # how many of its tokens (its last ones; the SMs stored the others' rows).
         self.last_dispatch_copy_engine = False
+        self.last_dispatch_staged_tokens = 0
         self._ll = None
         self._ll_parity = 0
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
@@ -480,7 +482,7 @@ class NativeBackend(Backend):
         staged = direct_rows is not None and self._copy_engine_dispatch
         if staged and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.info.device)
-        self.last_dispatch_copy_engine = self._intranode().dispatch(
+        self.last_dispatch_staged_tokens = self._intranode().dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
             num_scales=0 if x_scales is None else x_scales.size(1),
@@ -495,6 +497,7 @@ class NativeBackend(Backend):
             side_stream=self._side_stream.cuda_stream if staged else 0,
             recv_rank_offsets=_address(recv_rank_offsets) if staged else 0,
             cached_src_idx=_address(cached_src_idx) if staged else 0)
+        self.last_dispatch_copy_engine = self.last_dispatch_staged_tokens > 0
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
