@@ -9,6 +9,8 @@
 #              fewer GPUs than ranks, the multi-rank tests and benchmarks then run with ranks sharing
 #              GPUs (a correctness run: "links" are the GPU's own memory, so timings are not NVLink's).
 #              Later stages pass --ranks $BENCH_RANKS to the benchmarks where it is set.
+#   unshare    stop that MPS daemon (a later `share`, in this call or another run of this script, starts its own:
+#              `nvidia-cuda-mps-control -d` fails while one runs, and a quit needs the same pipe directory)
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode tests), -k "$PYTEST_K" if set,
 #              leaving HANG_RESERVE_S of the deadline to a later `timeouts` stage
 #   staged     the intranode cases again with EP_PLUGIN_STREAM_WRITES=kernel (the copy-engine combine's
@@ -103,6 +105,12 @@ for s in $STAGES; do
         echo "share: CUDA MPS did not start (see share.log and $CUDA_MPS_LOG_DIRECTORY); ranks keep their own GPUs" >> "$summary"
         cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >> "$OUT/share.log" 2>/dev/null
       fi
+      ;;
+    unshare)
+      CUDA_MPS_PIPE_DIRECTORY=/tmp/ep_mps_pipe nvidia-cuda-mps-control <<< quit >> "$OUT/share.log" 2>&1
+      sleep 2
+      unset EP_PLUGIN_RANKS_PER_GPU CUDA_MPS_ACTIVE_THREAD_PERCENTAGE CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      echo "unshare: MPS stopped; ranks keep their own GPUs" >> "$summary"
       ;;
     tests)
       # With DEADLINE_S set, the tests get what is left of it (less a margin for the summary).
