@@ -226,9 +226,8 @@ class NativeBackend(Backend):
         self._side_stream: Optional[torch.cuda.Stream] = None
         self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
-        # Whether (some of) this rank's rows of the last direct dispatch crossed NVLink by copy engine, and for
-        # how many of its tokens (its last ones; the SMs stored the others' rows).
-        self.last_dispatch_copy_engine = False
+        # How many of this rank's tokens (its last ones) had their rows of the last direct dispatch cross NVLink
+        # by copy engine; the SMs stored the others' rows.
         self.last_dispatch_staged_tokens = 0
         self._ll = None
         self._ll_parity = 0
@@ -467,6 +466,11 @@ class NativeBackend(Backend):
         found = iter(tensors)
         return [None if spec is None else next(found) for spec in specs]
 
+    @property
+    def last_dispatch_copy_engine(self) -> bool:
+        """Whether some of this rank's rows of the last direct dispatch crossed NVLink by copy engine."""
+        return self.last_dispatch_staged_tokens > 0
+
     def direct_fell_back(self) -> bool:
         """Whether this rank's last direct dispatch found a rank without room in its output region and
         moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
@@ -497,7 +501,6 @@ class NativeBackend(Backend):
             side_stream=self._side_stream.cuda_stream if staged else 0,
             recv_rank_offsets=_address(recv_rank_offsets) if staged else 0,
             cached_src_idx=_address(cached_src_idx) if staged else 0)
-        self.last_dispatch_copy_engine = self.last_dispatch_staged_tokens > 0
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
