@@ -11,13 +11,15 @@
 
 namespace ep_plugin {
 
-// Diagnostic builds may change the pipeline's shape (EP_PLUGIN_NVCC_FLAGS="-DEP_PLUGIN_BULK_STAGES=4
-// -DEP_PLUGIN_BULK_PIECE_BYTES=3584"); its shared memory must stay within a block's 227 KB.
+// Diagnostic builds may change the pipeline's shape (EP_PLUGIN_NVCC_FLAGS="-DEP_PLUGIN_BULK_STAGES=8
+// -DEP_PLUGIN_BULK_PIECE_BYTES=1792", the shape before the twenty-third session); its shared memory must
+// stay within a block's 227 KB. The cost is per piece, not per byte: 4 pieces of 3584 bytes with 2 loads
+// ahead beat 8 of 1792 with 6 ahead (docs/benchmarks.md, twentieth and twenty-third sessions).
 #ifndef EP_PLUGIN_BULK_STAGES
-#define EP_PLUGIN_BULK_STAGES 8
+#define EP_PLUGIN_BULK_STAGES 4
 #endif
 #ifndef EP_PLUGIN_BULK_PIECE_BYTES
-#define EP_PLUGIN_BULK_PIECE_BYTES 1792
+#define EP_PLUGIN_BULK_PIECE_BYTES 3584
 #endif
 constexpr int kBulkStages = EP_PLUGIN_BULK_STAGES;  // pieces of shared memory per warp
 constexpr int kBulkLoadsAhead = kBulkStages - 2;    // one stage being stored, one still read by the store before it
