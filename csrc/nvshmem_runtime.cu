@@ -307,6 +307,11 @@ std::string LowLatencyRuntime::describe_device_error() const {
     out << "rank " << s.error_rank << " got a dispatch from peer " << s.error_peer << " whose combine sends "
         << partials_name(s.error_observed) << " partials while its own sends " << partials_name(s.error_expected)
         << ": low_latency.expert_sums_partials must be the same on every rank";
+  } else if (s.error_code == kErrLayoutMismatch) {
+    out << "rank " << s.error_rank << " got a dispatch from peer " << s.error_peer << " (expert " << s.error_channel
+        << ") laid out for another call (layout tag " << s.error_observed << " against its own " << s.error_expected
+        << "): num_max_dispatch_tokens_per_rank, the hidden size, num_experts and "
+        << "use_fp8 must be the same on every rank, and every rank must make the same sequence of low-latency calls";
   } else if (s.error_code == kErrTimeout) {
     out << "timeout in " << op_name(s.error_op) << " after " << timeout_s_ << " s: rank " << s.error_rank
         << " waited for peer " << s.error_peer << " (expert " << s.error_channel << ", warp " << s.error_warp

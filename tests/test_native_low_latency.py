@@ -13,8 +13,8 @@ added in rank order on the token side). With `low_latency.expert_sums_partials: 
 the main launch) each partial that crosses to a peer is rounded once to bf16, so the combine is held
 to the bound of that extra rounding (assert_combined); a second launch runs route cases with fp32
 partials against assert_close's bf16 tolerance. Separate launches check the device timeouts and the
-device errors of ranks that disagree on topk_weights or on the partials' dtype (each traps the CUDA
-context).
+device errors of ranks that disagree on topk_weights or on the partials' dtype, and of ranks whose calls
+have different layouts (each traps the CUDA context).
 """
 from __future__ import annotations
 
@@ -592,3 +592,32 @@ def test_ranks_that_disagree_on_expert_sums_partials_get_a_device_error():
         in results[0], results[0]
     assert "rank 1 got a dispatch from peer 0 whose combine sends bf16 partials while its own sends fp32" \
         in results[1], results[1]
+
+
+# ---- ranks whose calls have different layouts: a device error naming the cause --------------------
+def mismatched_layout_rank(rank: int, R: int, group, differs: str) -> str:
+    """Rank 0 calls with T_max 32 and the others with 48 (`differs="t_max"`), or rank 0 sends FP8 and the
+    others bf16 (`differs="use_fp8"`): what ranks whose calls are out of step do. The count words carry a
+    tag of the sender's layout, and each receiver must stop with an error naming both ranks, never read
+    the rows (an illegal access, or silently wrong rows for the dtype) where another layout put them."""
+    ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=3.0)
+    x, ids, _ = make_inputs(ctx, 1, 32, 2048, 4, 64, "random")
+    t_max = 48 if differs == "t_max" and rank > 0 else 32
+    use_fp8 = rank == 0 or differs != "use_fp8"
+    try:
+        ctx.native.low_latency_dispatch(x, ids, t_max, 64, use_fp8=use_fp8)
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - the message is the point of the test
+        report_device_error(ctx, error, "laid out for another call")
+    return "no error"
+
+
+@needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
+@pytest.mark.parametrize("differs", ["t_max", "use_fp8"])
+def test_ranks_whose_calls_disagree_on_the_layout_get_a_device_error(differs):
+    results = parallel_launch(RANKS, mismatched_layout_rank, differs, timeout_s=120)
+    for rank, message in enumerate(results):
+        # Rank 0 differs from every peer (it may name any of them); the others differ from rank 0 only.
+        peers = range(1, RANKS) if rank == 0 else [0]
+        assert any(f"rank {rank} got a dispatch from peer {peer} (expert" in message for peer in peers), message
+        assert "laid out for another call" in message and "same sequence of low-latency calls" in message, message

@@ -176,7 +176,9 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
       const int count = min(counts[j], layout.num_max_tokens);
       const int dst = expert / num_local, local = expert % num_local;
       announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
-                     count_signal(static_cast<uint32_t>(count), route_mode(a.carry_route, a.bf16_partials)), dst);
+                     count_signal(static_cast<uint32_t>(count), route_mode(a.carry_route, a.bf16_partials),
+                                  layout.tag(a.use_fp8)),
+                     dst);
     }
     sync_threads(kCountBarrier, kCountThreads);  // counts[] is zeroed again by the next pass
   }
@@ -412,6 +414,14 @@ __device__ void report_route_mismatch(const DispatchArgs& a, int src, int expert
   asm volatile("trap;");
 }
 
+// One lane: source `src` announced its messages for another layout (T_max, hidden, experts or FP8);
+// its index entries and payloads are not where this rank's layout looks. Report both tags and stop.
+__device__ void report_layout_mismatch(const DispatchArgs& a, int src, int expert, uint64_t word) {
+  record_error(a.status, a.error_claim, kErrLayoutMismatch, kOpLowLatencyDispatch, 0, a.rank, src, expert,
+               static_cast<int>(threadIdx.x / 32), a.layout.tag(a.use_fp8), signal_layout_tag(word));
+  asm volatile("trap;");
+}
+
 // The source whose region holds `slot`: the last one that begins at or before it (an empty
 // region begins where the next one does, so the last such region is never empty).
 __device__ __forceinline__ int region_of_slot(const int* region_begin, int num_ranks, int slot) {
@@ -451,6 +461,7 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
     if (warp == 0) {
       const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyDispatch, a.rank, expert, 0};
       const int own_mode = route_mode(a.carry_route, a.bf16_partials);
+      const uint32_t own_tag = layout.tag(a.use_fp8);
       int carry = 0;
       for (int first = 0; first < num_ranks; first += 32) {
         const int src = first + lane;
@@ -459,6 +470,7 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
           uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
           const uint64_t value = wait_signal(word, site, src);
           count = static_cast<int>(signal_expected(value));
+          if (signal_layout_tag(value) != own_tag) report_layout_mismatch(a, src, expert, value);
           if (signal_route_mode(value) != own_mode) report_route_mismatch(a, src, expert, value);
           // NOTE: reset once consumed. The sender adds to this word again only in the dispatch two
           // rounds later, which it issues after its combine of this round has received from this

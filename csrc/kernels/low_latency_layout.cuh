@@ -95,6 +95,13 @@ constexpr uint64_t kFinishBit = 1ull << 63;
 // combine's protocol follows from them.
 constexpr uint64_t kRouteBit = 1ull << 62;
 constexpr uint64_t kBf16PartialsBit = 1ull << 61;
+// Dispatch words only: bits [kLayoutTagShift, 61) carry a tag of the sender's layout (layout_tag). The
+// receiver compares it with its own before it reads a message: ranks whose calls are out of step get an
+// error that says so, instead of rows read from where another layout put them. Counts keep kCountBits.
+constexpr int kCountBits = 17;
+constexpr int kLayoutTagShift = 32 + kCountBits;
+constexpr uint32_t kLayoutTagMask = (1u << (61 - kLayoutTagShift)) - 1;  // 12 bits
+static_assert(kMaxTokens < (1 << kCountBits), "a count (at most T_max, or a combine's pieces) must fit kCountBits");
 
 // How a rank's combine works after a dispatch, as announced in the dispatch's count words.
 enum RouteMode : int {
@@ -106,12 +113,15 @@ __host__ __device__ constexpr int route_mode(bool route, bool bf16_partials) {
   return route ? (bf16_partials ? kBf16Partials : kFp32Partials) : kTokenSideSums;
 }
 
-__host__ __device__ constexpr uint64_t count_signal(uint32_t count, int mode = kTokenSideSums) {
+__host__ __device__ constexpr uint64_t count_signal(uint32_t count, int mode = kTokenSideSums, uint32_t layout_tag = 0) {
   return kFinishBit | (mode != kTokenSideSums ? kRouteBit : 0) | (mode == kBf16Partials ? kBf16PartialsBit : 0) |
-         (static_cast<uint64_t>(count) << 32);
+         (static_cast<uint64_t>(layout_tag & kLayoutTagMask) << kLayoutTagShift) | (static_cast<uint64_t>(count) << 32);
 }
 __host__ __device__ constexpr uint32_t signal_expected(uint64_t word) {
-  return static_cast<uint32_t>(word >> 32) & 0x1fffffffu;
+  return static_cast<uint32_t>(word >> 32) & ((1u << kCountBits) - 1);
+}
+__host__ __device__ constexpr uint32_t signal_layout_tag(uint64_t word) {
+  return static_cast<uint32_t>(word >> kLayoutTagShift) & kLayoutTagMask;
 }
 __host__ __device__ constexpr int signal_route_mode(uint64_t word) {
   return route_mode((word & kRouteBit) != 0, (word & kBf16PartialsBit) != 0);
@@ -164,6 +174,17 @@ struct LowLatencyLayout {
   // Payload bytes a message carries: the row (and scales), then the route if there is one.
   __host__ __device__ int64_t used_payload_bytes(bool use_fp8, bool route) const {
     return row_payload_bytes(use_fp8) + (route ? kRouteBytes : 0);
+  }
+
+  // A 12-bit tag of what a dispatch's messages depend on: T_max, hidden, experts, FP8 or bf16 payloads
+  // (FNV-1a, folded). Two layouts share a tag with probability 1/4096.
+  __host__ __device__ constexpr uint32_t tag(bool use_fp8) const {
+    uint32_t h = 2166136261u;
+    h = (h ^ static_cast<uint32_t>(num_max_tokens)) * 16777619u;
+    h = (h ^ static_cast<uint32_t>(hidden)) * 16777619u;
+    h = (h ^ static_cast<uint32_t>(num_experts)) * 16777619u;
+    h = (h ^ (use_fp8 ? 1u : 0u)) * 16777619u;
+    return (h ^ (h >> 12) ^ (h >> 24)) & kLayoutTagMask;
   }
 
   // Areas of one round: size formulas.
