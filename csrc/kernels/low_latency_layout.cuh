@@ -95,7 +95,7 @@ constexpr uint64_t kFinishBit = 1ull << 63;
 // combine's protocol follows from them.
 constexpr uint64_t kRouteBit = 1ull << 62;
 constexpr uint64_t kBf16PartialsBit = 1ull << 61;
-// Dispatch words only: bits [kLayoutTagShift, 61) carry a tag of the sender's layout (layout_tag). The
+// Dispatch words only: bits [kLayoutTagShift, 61) carry a tag of the sender's layout (LowLatencyLayout::tag). The
 // receiver compares it with its own before it reads a message: ranks whose calls are out of step get an
 // error that says so, instead of rows read from where another layout put them. Counts keep kCountBits.
 constexpr int kCountBits = 17;
