@@ -99,7 +99,8 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             want_staged = staged_tokens_expected(native, case, rank, R, ce_share) \
                 if dispatch_copy_engine and path == "direct" else 0
             got_staged = native._backend.last_dispatch_staged_tokens
-            assert got_staged == want_staged, f"tokens whose rows went by copy engine: {got_staged}, expected {want_staged}"
+            assert got_staged == want_staged, \
+                f"tokens whose rows went by copy engine: {got_staged}, expected {want_staged}"
             assert native._backend.last_dispatch_copy_engine == (want_staged > 0)
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error

@@ -95,9 +95,9 @@ constexpr uint64_t kFinishBit = 1ull << 63;
 // combine's protocol follows from them.
 constexpr uint64_t kRouteBit = 1ull << 62;
 constexpr uint64_t kBf16PartialsBit = 1ull << 61;
-// Dispatch words only: bits [kLayoutTagShift, 61) carry a tag of the sender's layout (LowLatencyLayout::tag). The
-// receiver compares it with its own before it reads a message: ranks whose calls are out of step get an
-// error that says so, instead of rows read from where another layout put them. Counts keep kCountBits.
+// Dispatch words only: bits [kLayoutTagShift, 61) carry a tag of the sender's layout (LowLatencyLayout::tag).
+// The receiver compares it with its own before it reads a message: ranks whose calls are out of step get
+// an error that says so, instead of rows read from where another layout put them. Counts keep kCountBits.
 constexpr int kCountBits = 17;
 constexpr int kLayoutTagShift = 32 + kCountBits;
 constexpr uint32_t kLayoutTagMask = (1u << (61 - kLayoutTagShift)) - 1;  // 12 bits
@@ -113,7 +113,8 @@ __host__ __device__ constexpr int route_mode(bool route, bool bf16_partials) {
   return route ? (bf16_partials ? kBf16Partials : kFp32Partials) : kTokenSideSums;
 }
 
-__host__ __device__ constexpr uint64_t count_signal(uint32_t count, int mode = kTokenSideSums, uint32_t layout_tag = 0) {
+__host__ __device__ constexpr uint64_t count_signal(uint32_t count, int mode = kTokenSideSums,
+                                                    uint32_t layout_tag = 0) {
   return kFinishBit | (mode != kTokenSideSums ? kRouteBit : 0) | (mode == kBf16Partials ? kBf16PartialsBit : 0) |
          (static_cast<uint64_t>(layout_tag & kLayoutTagMask) << kLayoutTagShift) | (static_cast<uint64_t>(count) << 32);
 }
