@@ -54,8 +54,9 @@ void gather_sum_rows(uintptr_t rows, uintptr_t index, uintptr_t out, int64_t num
 
 void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_expert,
                     uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int expert_alignment,
-                    int num_worst_tokens, uintptr_t send_pos, uintptr_t recv_rank_offsets, uintptr_t src_num_tokens,
-                    uintptr_t num_recv_tokens, int host_tag, uintptr_t stream) {
+                    int num_worst_tokens, int row_bytes, int num_scales, bool has_weights, uintptr_t send_pos,
+                    uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t num_recv_tokens, int host_tag,
+                    uintptr_t stream) {
   intranode::NotifyArgs args{};
   args.is_token_in_rank = pointer<const bool>(is_token_in_rank, "is_token_in_rank", num_tokens > 0);
   args.num_tokens_per_expert = pointer<const int32_t>(num_tokens_per_expert, "num_tokens_per_expert");
@@ -65,6 +66,7 @@ void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintp
   args.num_experts = num_experts;
   args.expert_alignment = expert_alignment;
   args.num_worst_tokens = num_worst_tokens;
+  args.row_layout = intranode::pack_row_layout(row_bytes, num_scales, num_topk, has_weights);
   args.send_pos = pointer<int32_t>(send_pos, "send_pos", num_tokens > 0);
   args.recv_rank_offsets = pointer<int32_t>(recv_rank_offsets, "recv_rank_offsets");
   args.src_num_tokens = pointer<int32_t>(src_num_tokens, "src_num_tokens");
@@ -326,8 +328,8 @@ PYBIND11_MODULE(_C, m) {
       .def("check_device_error", &IntranodeRuntime::check_device_error)
       .def("notify", &runtime_notify, py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"),
            py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
-           py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("num_recv_tokens"), py::arg("host_tag"),
+           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("row_bytes"), py::arg("num_scales"),
+           py::arg("has_weights"), py::arg("send_pos"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("num_recv_tokens"), py::arg("host_tag"),
            py::arg("stream"))
       .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
       .def("dispatch", &runtime_dispatch, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),

@@ -45,6 +45,15 @@ const char* wait_name(int kind) {
   }
 }
 
+// "rows of 14336 bytes, 0 scales, top-8 with weights": a pack_row_layout word for error messages.
+std::string describe_row_layout(int64_t word) {
+  Text out;
+  out << "rows of " << intranode::row_layout_bytes(word) << " bytes, " << intranode::row_layout_scales(word)
+      << " scales, top-" << intranode::row_layout_topk(word) << (intranode::row_layout_weights(word) ? " with" : " without")
+      << " weights";
+  return out.str();
+}
+
 }  // namespace
 
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
@@ -605,6 +614,11 @@ std::string IntranodeRuntime::describe_device_error() const {
   } else if (s.error_code == kErrBadExpertId) {
     out << "rank " << s.error_peer << " passed an expert id out of range (token " << s.error_expected << ", id "
         << s.error_observed << ")";
+  } else if (s.error_code == kErrLayoutMismatch) {
+    out << "ranks disagree on the row layout of a dispatch: rank " << s.error_rank << " sends "
+        << describe_row_layout(s.error_expected) << ", rank " << s.error_peer << " "
+        << describe_row_layout(s.error_observed) << " (x, x_scales, topk_idx and topk_weights must have the same "
+        << "widths, dtypes and presence on every rank)";
   } else {
     out << "device error code " << s.error_code;
   }
@@ -641,6 +655,14 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
     }
   }
   const int bad_rank = status_host_->bad_input_rank;
+  if (bad_rank >= 0 && status_host_->bad_input_code == kErrLayoutMismatch) {
+    Text out;
+    out << "dispatch rejected on every rank: ranks disagree on the row layout (x, x_scales, topk_idx and "
+        << "topk_weights must have the same widths, dtypes and presence on every rank): rank " << rank_ << " sends "
+        << describe_row_layout(status_host_->bad_input_detail[0]) << ", rank " << bad_rank << " "
+        << describe_row_layout(status_host_->bad_input_detail[1]) << "; no data was sent";
+    throw InvalidArgument(out.str());
+  }
   if (bad_rank >= 0) {
     Text out;
     out << "rank " << bad_rank << ": topk_idx[" << status_host_->bad_input_detail[0] << ", "

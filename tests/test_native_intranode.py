@@ -440,3 +440,43 @@ def test_out_of_range_expert_id_raises_on_every_rank():
     results = parallel_launch(RANKS, bad_id_rank)
     for message in results:
         assert "rank 1" in message and "999" in message, message
+
+
+def other_row_layout_rank(rank: int, R: int, group, differs: str) -> str:
+    """Rank 1 dispatches rows of another width (`differs="hidden"`: 4096 against 2048) or without weights
+    (`differs="weights"`): notify compares every rank's row layout and every rank raises before any row
+    moves (a sender would otherwise write past the receiver's outputs)."""
+    native, _ = make_buffers(group)
+    case = dict(T=64, H=2048, K=4, E=16)
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=3)
+    layout = native.get_dispatch_layout(topk_idx, 16)
+    sent_x, sent_weights = x, weights
+    if rank == 1 and differs == "hidden":
+        sent_x = make_inputs(rank, R, dict(case, H=4096), seed=3)[0]
+    if rank == 1 and differs == "weights":
+        sent_weights = None
+    message = "no error"
+    try:
+        native.dispatch(sent_x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=sent_weights)
+    except ValueError as error:
+        message = str(error)
+    # The buffer stays usable: a dispatch that every rank makes alike works right after.
+    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+    native.combine(out[0], out[4])
+    torch.cuda.synchronize()
+    native.destroy()
+    return message
+
+
+@needs_ranks(RANKS)
+@pytest.mark.parametrize("differs", ["hidden", "weights"])
+def test_ranks_that_disagree_on_the_row_layout_are_rejected_on_every_rank(differs):
+    results = parallel_launch(RANKS, other_row_layout_rank, differs)
+    theirs = "rows of 8192 bytes" if differs == "hidden" else "without weights"
+    for rank, message in enumerate(results):
+        assert "dispatch rejected on every rank: ranks disagree on the row layout" in message, message
+        if rank != 1:
+            assert f"rank {rank} sends rows of 4096 bytes, 0 scales, top-4 with weights, rank 1 " in message, message
+            assert theirs in message, message

@@ -15,7 +15,8 @@ enum ErrorCode : int32_t {
   kErrBadExpertId = 2,
   kErrTooManyRecvTokens = 3,
   kErrRouteMismatch = 4,  // low-latency dispatch: ranks disagree on carrying topk_weights
-  kErrLayoutMismatch = 5,  // low-latency dispatch: a peer's call has another layout (T_max, hidden, experts, FP8)
+  kErrLayoutMismatch = 5,  // a peer's call has another layout: low-latency dispatch (T_max, hidden, experts,
+                           // FP8), intranode notify (row bytes, scales, top-k, weights)
 };
 
 enum OpCode : int32_t {

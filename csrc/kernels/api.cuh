@@ -40,6 +40,7 @@ struct NotifyArgs {
   const int32_t* num_tokens_per_expert;  // [E]
   const int64_t* topk_idx;          // [T, K], checked for out-of-range ids
   int num_tokens, num_topk, num_experts, expert_alignment, num_worst_tokens;
+  int64_t row_layout;               // pack_row_layout of this rank's dispatch (every rank's must be equal)
   int32_t* send_pos;                // [T, R]: row of token t on rank r, or -1
   int32_t* recv_rank_offsets;       // [R + 1]: first row of each source rank's block
   int32_t* src_num_tokens;          // [R]: T of every rank

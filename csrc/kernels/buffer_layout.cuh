@@ -39,9 +39,23 @@ constexpr int kSlotLineBytes = 128;
 constexpr int kSlotPayloadOffset = (kSlotMetaBytes + kSlotLineBytes - 1) / kSlotLineBytes * kSlotLineBytes;
 
 // What each rank writes into every peer's header during notify.
+// What every rank's rows of one dispatch must share, packed in one word: the bytes of a row of x, its
+// FP8 scales, its top-k width and whether weights come with it. A sender writes its rows, scales and
+// top-k entries at the receiver's row positions with its own widths, so ranks that differ would write
+// past the receiver's outputs; notify compares the words before any row moves.
+__host__ __device__ constexpr int64_t pack_row_layout(int row_bytes, int num_scales, int num_topk, bool has_weights) {
+  return static_cast<int64_t>(row_bytes) << 32 | static_cast<int64_t>(num_scales & 0xffffff) << 8 |
+         static_cast<int64_t>(num_topk & 0x7f) << 1 | (has_weights ? 1 : 0);
+}
+__host__ __device__ constexpr int row_layout_bytes(int64_t word) { return static_cast<int>(word >> 32); }
+__host__ __device__ constexpr int row_layout_scales(int64_t word) { return static_cast<int>(word >> 8 & 0xffffff); }
+__host__ __device__ constexpr int row_layout_topk(int64_t word) { return static_cast<int>(word >> 1 & 0x7f); }
+__host__ __device__ constexpr bool row_layout_weights(int64_t word) { return (word & 1) != 0; }
+
 struct NotifyBlock {
   int32_t bad_input_code;  // ErrorCode of this rank's input check
   int32_t num_tokens;      // T of the writer
+  int64_t row_layout;      // pack_row_layout of the writer's x, scales, top-k and weights
   int64_t bad_input_detail[3];
   int32_t tokens_to_rank[kMaxNvlPeers];       // writer's token count for every rank
   int32_t expert_counts[kMaxLocalExperts];    // writer's (token, expert) entries for the reader's experts

@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __shared__ int warp_totals[kMaxNvlPeers][kNotifyWarps];
   __shared__ int running_base[kMaxNvlPeers];
   __shared__ int bad_rank;
+  __shared__ int other_layout_rank;  // the first rank whose row layout differs from this rank's (-1: none)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int R = args.num_ranks;
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     epoch = me->notify_epoch + 1;
     first_bad_entry = INT_MAX;
     bad_rank = -1;
+    other_layout_rank = -1;
   }
   if (tid < kMaxNvlPeers) token_counts[tid] = 0, running_base[tid] = 0;
   __syncthreads();
@@ -70,6 +72,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       const bool bad = first_bad_entry != INT_MAX;
       block->bad_input_code = bad ? kErrBadExpertId : kErrNone;
       block->num_tokens = args.num_tokens;
+      block->row_layout = args.row_layout;
       block->bad_input_detail[0] = bad ? first_bad_entry / args.num_topk : 0;
       block->bad_input_detail[1] = bad ? first_bad_entry % args.num_topk : 0;
       block->bad_input_detail[2] = bad ? args.topk_idx[first_bad_entry] : 0;
@@ -103,6 +106,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       row += blocks[s].tokens_to_rank[args.rank];
       args.src_num_tokens[s] = blocks[s].num_tokens;
       if (blocks[s].bad_input_code != kErrNone && bad_rank < 0) bad_rank = s;
+      if (blocks[s].row_layout != args.row_layout && other_layout_rank < 0) other_layout_rank = s;
     }
     args.recv_rank_offsets[R] = row;
     *args.num_recv_tokens = row;
@@ -131,6 +135,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       printf("ep_plugin: rank %d: topk_idx[%lld, %lld] = %lld is not an expert id in [-1, %d)\n", bad_rank,
              static_cast<long long>(bad.bad_input_detail[0]), static_cast<long long>(bad.bad_input_detail[1]),
              static_cast<long long>(bad.bad_input_detail[2]), args.num_experts);
+      asm volatile("trap;");
+    }
+    if (other_layout_rank >= 0 && args.host_tag == 0) {
+      const int64_t theirs = blocks[other_layout_rank].row_layout;
+      record_error(args.status, &me->error_claim, kErrLayoutMismatch, kOpNotify, 0, args.rank, other_layout_rank, -1,
+                   -1, args.row_layout, theirs);
+      printf("ep_plugin: rank %d dispatches rows of %d bytes, %d scales, top-%d%s; rank %d rows of %d bytes, %d "
+             "scales, top-%d%s\n", args.rank, row_layout_bytes(args.row_layout), row_layout_scales(args.row_layout),
+             row_layout_topk(args.row_layout), row_layout_weights(args.row_layout) ? " with weights" : "",
+             other_layout_rank, row_layout_bytes(theirs), row_layout_scales(theirs), row_layout_topk(theirs),
+             row_layout_weights(theirs) ? " with weights" : "");
       asm volatile("trap;");
     }
   }
@@ -186,10 +201,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     if (args.host_tag > 0) {
       args.status->num_recv_tokens = *args.num_recv_tokens;
       for (int s = 0; s < R; ++s) args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
-      args.status->bad_input_rank = bad_rank;
+      args.status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
       if (bad_rank >= 0) {
         args.status->bad_input_code = blocks[bad_rank].bad_input_code;
         for (int i = 0; i < 3; ++i) args.status->bad_input_detail[i] = blocks[bad_rank].bad_input_detail[i];
+      } else if (other_layout_rank >= 0) {
+        args.status->bad_input_code = kErrLayoutMismatch;
+        args.status->bad_input_detail[0] = args.row_layout;
+        args.status->bad_input_detail[1] = blocks[other_layout_rank].row_layout;
       }
       __threadfence_system();
       args.status->notify_tag = args.host_tag;

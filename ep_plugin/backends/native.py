@@ -406,7 +406,9 @@ class NativeBackend(Backend):
         self._intranode().notify(is_token_in_rank=_address(is_token_in_rank),
                                  num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=_address(topk_idx),
                                  num_tokens=T, num_topk=K, num_experts=num_experts, expert_alignment=expert_alignment,
-                                 num_worst_tokens=num_worst_tokens, send_pos=_address(send_pos),
+                                 num_worst_tokens=num_worst_tokens, row_bytes=x.size(1) * x.element_size(),
+                                 num_scales=0 if x_scales is None else x_scales.size(1),
+                                 has_weights=topk_weights is not None, send_pos=_address(send_pos),
                                  recv_rank_offsets=_address(recv_rank_offsets),
                                  src_num_tokens=_address(src_num_tokens), num_recv_tokens=_address(num_recv_device),
                                  host_tag=host_tag, stream=stream)
