@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "common/bulk_rows.cuh"
@@ -138,6 +139,16 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
                  "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
   }
+  if (const char* fence = std::getenv("EP_PLUGIN_DIRECT_BLOCK_FENCE")) {
+    EP_CHECK_ARG(std::string(fence) == "gpu" || std::string(fence) == "sys",
+                 "EP_PLUGIN_DIRECT_BLOCK_FENCE must be gpu or sys, got " << fence);
+    direct_block_fence_sys_ = std::string(fence) == "sys";
+  }
+  if (const char* loads = std::getenv("EP_PLUGIN_DIRECT_EXCHANGE_LOADS")) {
+    EP_CHECK_ARG(std::string(loads) == "relaxed" || std::string(loads) == "acquire",
+                 "EP_PLUGIN_DIRECT_EXCHANGE_LOADS must be relaxed or acquire, got " << loads);
+    direct_acquire_exchange_loads_ = std::string(loads) == "acquire";
+  }
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
   if (const char* early = std::getenv("EP_PLUGIN_COMBINE_EARLY_ROWS")) combine_early_rows_ = std::atoi(early) != 0;
@@ -260,6 +271,8 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_max_blocks = direct_max_blocks_;
   args.direct_chunk_tokens = direct_chunk_tokens_;
+  args.direct_block_fence_sys = direct_block_fence_sys_;
+  args.direct_acquire_exchange_loads = direct_acquire_exchange_loads_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {

@@ -154,6 +154,9 @@ class IntranodeRuntime {
   // EP_PLUGIN_STAGED_MAX_BLOCKS (0: num_sms).
   int staged_max_blocks_ = 0;
   int direct_chunk_tokens_ = 1;  // EP_PLUGIN_DIRECT_CHUNK: tokens per claimed chunk (0: fixed shares)
+  // The code before the twenty-fourth session, as diagnostics (docs/configuration.md).
+  bool direct_block_fence_sys_ = false;         // EP_PLUGIN_DIRECT_BLOCK_FENCE=sys
+  bool direct_acquire_exchange_loads_ = false;  // EP_PLUGIN_DIRECT_EXCHANGE_LOADS=acquire
   // EP_PLUGIN_DISPATCH_CE_SHARE: percent of a rank's tokens (its last ones) whose rows go to the peers by
   // copy engine with copy-engine dispatch rows; the SMs store the first tokens' rows across NVLink.
   int dispatch_ce_share_ = 100;

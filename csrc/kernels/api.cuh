@@ -78,6 +78,8 @@ struct DispatchArgs {
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
+  bool direct_block_fence_sys;      // direct dispatch (diagnostic): every block fences at system scope
+  bool direct_acquire_exchange_loads; // direct dispatch (diagnostic): acquire loads of the peers' output offsets
   // Direct dispatch with copy-engine rows (IntranodeRuntime::direct_dispatch): the last staged_tokens rows
   // of each rank's x went into its peers' staging areas by copy engine, and every rank's SMs move the rows
   // it receives from there. Rows of the tokens before those go to the peers by SM stores.

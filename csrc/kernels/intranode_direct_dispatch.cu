@@ -91,9 +91,15 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
   peer_has_room = (counter_count(ready) & kHasRoom) != 0;
   const uint32_t first_staged = counter_count(ready) >> 1;
   peer_first_staged = r != a.rank && first_staged > 0 ? static_cast<int>(first_staged - 1u) : kNotStaged;
-  // NOTE: acquire loads, so that no word of an earlier call's outputs comes from a stale L1 line.
+  // NOTE: strong (relaxed, system-scope) loads, so that no word of an earlier call's outputs comes from a
+  // stale L1 line; the acquire of `ready` orders them after rank r's writes. Acquire loads of each word
+  // (EP_PLUGIN_DIRECT_EXCHANGE_LOADS=acquire) cost about 0.7 us more (twenty-fourth session).
   const DirectOutputs& theirs = me->direct_outputs[r];
-  auto word = [](const int64_t& field) { return ld_acquire_sys(reinterpret_cast<const uint64_t*>(&field)); };
+  const bool acquire = a.direct_acquire_exchange_loads;
+  auto word = [acquire](const int64_t& field) {
+    const uint64_t* at = reinterpret_cast<const uint64_t*>(&field);
+    return acquire ? ld_acquire_sys(at) : ld_relaxed_sys(at);
+  };
   void* base = a.peer_buffers[r];
   return PeerOutputs{output_at<uint8_t>(base, word(theirs.recv_x)), output_at<float>(base, word(theirs.recv_x_scales)),
                      output_at<int64_t>(base, word(theirs.recv_topk_idx)),
@@ -412,8 +418,8 @@ __device__ void wait_for_staged_copies(const DispatchArgs& a, Header* me, const 
 // written, waits until every rank's rows are here, and ends the operation.
 __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
                               const int (&first_staged)[kMaxNvlPeers]) {
-  // NOTE: each thread's bulk stores completed (SenderRows::complete); the barrier and the system-scope
-  // fence before the count make every block's writes visible before the last block's release.
+  // NOTE: each thread's bulk stores completed (SenderRows::complete); the barrier, the fence before the
+  // count and the last block's system-scope fence make every block's writes visible before its release.
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
   fence_proxy_async();
 #endif
@@ -421,7 +427,11 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   // The ring kernel launched after this one (it only checks direct_fell_back) may start now.
   launch_dependents();
   if (threadIdx.x != 0) return;
-  __threadfence_system();
+  // NOTE: a GPU-scope fence is enough: the last block's system-scope fence below, after it has seen every
+  // block's count, orders all their writes before its release to the peers (fences are cumulative). A
+  // system-scope fence in every block (EP_PLUGIN_DIRECT_BLOCK_FENCE=sys) cost about 1.3 us.
+  if (a.direct_block_fence_sys) __threadfence_system();
+  else __threadfence();
   if (atomicAdd(&me->blocks_done, 1u) + 1u != gridDim.x) return;
   me->blocks_done = 0;
   me->direct_next_chunk = 0;  // every warp has made its last claim
