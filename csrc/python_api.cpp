@@ -329,8 +329,8 @@ PYBIND11_MODULE(_C, m) {
       .def("notify", &runtime_notify, py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"),
            py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
            py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("row_bytes"), py::arg("num_scales"),
-           py::arg("has_weights"), py::arg("send_pos"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("num_recv_tokens"), py::arg("host_tag"),
-           py::arg("stream"))
+           py::arg("has_weights"), py::arg("send_pos"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"),
+           py::arg("num_recv_tokens"), py::arg("host_tag"), py::arg("stream"))
       .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
       .def("dispatch", &runtime_dispatch, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
            py::arg("send_chunk"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),

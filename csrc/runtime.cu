@@ -46,12 +46,21 @@ const char* wait_name(int kind) {
   }
 }
 
+// Environment variable `name` set to `off` or `on`: whether it is `on`; unset: `current`; else an error.
+bool env_picks(const char* name, const char* off, const char* on, bool current) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return current;
+  EP_CHECK_ARG(std::strcmp(value, off) == 0 || std::strcmp(value, on) == 0,
+               name << " must be " << off << " or " << on << ", got " << value);
+  return std::strcmp(value, on) == 0;
+}
+
 // "rows of 14336 bytes, 0 scales, top-8 with weights": a pack_row_layout word for error messages.
 std::string describe_row_layout(int64_t word) {
   Text out;
   out << "rows of " << intranode::row_layout_bytes(word) << " bytes, " << intranode::row_layout_scales(word)
-      << " scales, top-" << intranode::row_layout_topk(word) << (intranode::row_layout_weights(word) ? " with" : " without")
-      << " weights";
+      << " scales, top-" << intranode::row_layout_topk(word)
+      << (intranode::row_layout_weights(word) ? " with" : " without") << " weights";
   return out.str();
 }
 
@@ -139,16 +148,9 @@ void IntranodeRuntime::read_tuning_overrides() {
     EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
                  "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
   }
-  if (const char* fence = std::getenv("EP_PLUGIN_DIRECT_BLOCK_FENCE")) {
-    EP_CHECK_ARG(std::string(fence) == "gpu" || std::string(fence) == "sys",
-                 "EP_PLUGIN_DIRECT_BLOCK_FENCE must be gpu or sys, got " << fence);
-    direct_block_fence_sys_ = std::string(fence) == "sys";
-  }
-  if (const char* loads = std::getenv("EP_PLUGIN_DIRECT_EXCHANGE_LOADS")) {
-    EP_CHECK_ARG(std::string(loads) == "relaxed" || std::string(loads) == "acquire",
-                 "EP_PLUGIN_DIRECT_EXCHANGE_LOADS must be relaxed or acquire, got " << loads);
-    direct_acquire_exchange_loads_ = std::string(loads) == "acquire";
-  }
+  direct_block_fence_sys_ = env_picks("EP_PLUGIN_DIRECT_BLOCK_FENCE", "gpu", "sys", direct_block_fence_sys_);
+  direct_acquire_exchange_loads_ =
+      env_picks("EP_PLUGIN_DIRECT_EXCHANGE_LOADS", "relaxed", "acquire", direct_acquire_exchange_loads_);
   if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
   if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
   if (const char* early = std::getenv("EP_PLUGIN_COMBINE_EARLY_ROWS")) combine_early_rows_ = std::atoi(early) != 0;

@@ -294,6 +294,25 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
         raise AssertionError("\n".join(failures))
 
 
+# ---- a dispatch rejected on every rank, and the buffer after it ----------------------------------
+def dispatch_error(native, layout, x, topk_idx, topk_weights) -> str:
+    """The ValueError message of this dispatch ("no error" when it is accepted)."""
+    try:
+        native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def dispatch_and_combine(native, layout, x, topk_idx, topk_weights) -> None:
+    """One dispatch and its combine, synchronised: after a rejected call, the buffer still works."""
+    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights)
+    native.combine(out[0], out[4])
+    torch.cuda.synchronize()
+
+
 # ---- a peer that never answers ------------------------------------------------------------------
 def device_error_message(native, error: Exception) -> str:
     """The error's text; where the CUDA error surfaced first, what ep_plugin's device status recorded."""

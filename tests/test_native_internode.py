@@ -26,8 +26,8 @@ from ep_plugin import Buffer, Config, tuning
 from ep_plugin.backends.base import GroupInfo
 from ep_plugin.launch import parallel_launch
 from ep_plugin.tuning import default_combine_config, default_dispatch_config
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, missing_peer_scenario,
-                            needs_ranks, run_case)
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, dispatch_and_combine, dispatch_error,
+                            make_inputs, missing_peer_scenario, needs_ranks, run_case)
 
 try:
     from ep_plugin import _C_nvshmem
@@ -389,19 +389,10 @@ def mismatch_rank(rank: int, R: int, group) -> str:
     case = dict(T=64, H=H, K=4, E=16)
     x, topk_idx, weights = make_inputs(rank, R, case, seed=2)
     layout = native.get_dispatch_layout(topk_idx, 16)
-    message = "no error"
-    try:
-        native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
-    except ValueError as error:
-        message = str(error)
+    message = dispatch_error(native, layout, x, topk_idx, weights)
     # The buffer stays usable: a consistent dispatch right after works on every rank.
     x, topk_idx, weights = make_inputs(rank, R, dict(T=64, H=2048, K=4, E=16), seed=3)
-    layout = native.get_dispatch_layout(topk_idx, 16)
-    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
-    native.combine(out[0], out[4])
-    torch.cuda.synchronize()
+    dispatch_and_combine(native, native.get_dispatch_layout(topk_idx, 16), x, topk_idx, weights)
     native.destroy()
     return message
 

@@ -15,8 +15,9 @@ from ep_plugin import Buffer, Config
 from ep_plugin.config import as_config
 from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, make_inputs, max_test_sms,
-                            missing_peer_scenario, multi_gpu_ranks, needs_ranks, poison_allocator, run_case)
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, dispatch_and_combine, dispatch_error,
+                            make_inputs, max_test_sms, missing_peer_scenario, multi_gpu_ranks, needs_ranks,
+                            poison_allocator, run_case)
 
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
@@ -420,17 +421,8 @@ def bad_id_rank(rank: int, R: int, group) -> str:
     bad = topk_idx.clone()
     if rank == 1:
         bad[5, 2] = 999
-    message = "no error"
-    try:
-        native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                        num_tokens_per_expert=layout[2], topk_idx=bad, topk_weights=weights)
-    except ValueError as error:
-        message = str(error)
-    # The buffer stays usable: a valid dispatch right after works on every rank.
-    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
-    native.combine(out[0], out[4])
-    torch.cuda.synchronize()
+    message = dispatch_error(native, layout, x, bad, weights)
+    dispatch_and_combine(native, layout, x, topk_idx, weights)  # a valid dispatch right after works on every rank
     native.destroy()
     return message
 
@@ -455,17 +447,8 @@ def other_row_layout_rank(rank: int, R: int, group, differs: str) -> str:
         sent_x = make_inputs(rank, R, dict(case, H=4096), seed=3)[0]
     if rank == 1 and differs == "weights":
         sent_weights = None
-    message = "no error"
-    try:
-        native.dispatch(sent_x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=sent_weights)
-    except ValueError as error:
-        message = str(error)
-    # The buffer stays usable: a dispatch that every rank makes alike works right after.
-    out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                          num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
-    native.combine(out[0], out[4])
-    torch.cuda.synchronize()
+    message = dispatch_error(native, layout, sent_x, topk_idx, sent_weights)
+    dispatch_and_combine(native, layout, x, topk_idx, weights)  # one that every rank makes alike works right after
     native.destroy()
     return message
 

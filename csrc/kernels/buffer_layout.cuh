@@ -38,7 +38,6 @@ static_assert(kSlotMetaBytes == 272, "SlotMeta must stay 272 bytes (mirrored in 
 constexpr int kSlotLineBytes = 128;
 constexpr int kSlotPayloadOffset = (kSlotMetaBytes + kSlotLineBytes - 1) / kSlotLineBytes * kSlotLineBytes;
 
-// What each rank writes into every peer's header during notify.
 // What every rank's rows of one dispatch must share, packed in one word: the bytes of a row of x, its
 // FP8 scales, its top-k width and whether weights come with it. A sender writes its rows, scales and
 // top-k entries at the receiver's row positions with its own widths, so ranks that differ would write
@@ -52,6 +51,7 @@ __host__ __device__ constexpr int row_layout_scales(int64_t word) { return stati
 __host__ __device__ constexpr int row_layout_topk(int64_t word) { return static_cast<int>(word >> 1 & 0x7f); }
 __host__ __device__ constexpr bool row_layout_weights(int64_t word) { return (word & 1) != 0; }
 
+// What each rank writes into every peer's header during notify.
 struct NotifyBlock {
   int32_t bad_input_code;  // ErrorCode of this rank's input check
   int32_t num_tokens;      // T of the writer
