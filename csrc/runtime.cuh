@@ -111,6 +111,8 @@ class IntranodeRuntime {
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
+  // The owner's reduction on `side`, after the combine's fork; join_ marks its end.
+  void launch_reduction(const intranode::StagedReduceArgs& args, int num_sms, cudaStream_t side);
   // After the owner's reduction: refill its staging area with unlanded bytes (early rows) and tell
   // every sender that the area is free for the next combine.
   void release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
@@ -182,6 +184,9 @@ class IntranodeRuntime {
   // is never refilled.
   bool combine_early_rows_ = true;
   int combine_copy_pieces_ = 0;
+  // EP_PLUGIN_COMBINE_LAUNCH=reduce: the owner's reduction is launched before the copies are queued
+  // (the code before the twenty-fifth session; its launch held the copies back by about 7 us).
+  bool combine_reduce_launched_first_ = false;
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;
