@@ -45,6 +45,8 @@
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 #   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
 #              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
+# CLOCK_LOG=1 logs every GPU's SM clock, power, temperature and throttle reasons every 200 ms into clocks.log for
+# the whole call (the stage headers carry their start times, to line the two up).
 # On 4 or 8 GPUs (EP4/EP8): EP_TEST_RANKS=4 (or 8) runs the intranode and low-latency tests at that many
 # ranks; `ep-plugin bench` and benchmarks/bench_low_latency.py use every GPU of the machine.
 # A device session has about 30 minutes and each call at most 10: split the stages over calls,
@@ -73,7 +75,7 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
     echo "$name: skipped (time budget of $BUDGET_S s spent): $*" >> "$summary"
     return 0
   fi
-  echo "=== $name: $*" >> "$OUT/$name.log"
+  echo "=== $name ($(date +%T.%N | cut -c1-12)): $*" >> "$OUT/$name.log"
   "$@" >> "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name: rc=$rc, $((SECONDS - start)) s" >> "$summary"
@@ -85,6 +87,12 @@ bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
   stage bench timeout "${BENCH_TIMEOUT:-300}" python3 -m ep_plugin bench --out "$OUT/results_dir/$name.json" \
     ${BENCH_RANKS:+--ranks "$BENCH_RANKS"} "$@"
 }
+
+if [ "${CLOCK_LOG:-0}" = 1 ]; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 200 > "$OUT/clocks.log" 2>&1 &
+  clock_logger=$!
+fi
 
 for s in $STAGES; do
   case $s in
@@ -230,6 +238,7 @@ for s in $STAGES; do
   esac
 done
 
+[ -n "${clock_logger:-}" ] && kill "$clock_logger" 2>/dev/null
 tar -czf "$OUT/results.tgz" -C "$OUT" results_dir 2>/dev/null && rm -rf "$OUT/results_dir"
 echo "===== tail of logs ====="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -25 "$f"; done
