@@ -89,9 +89,10 @@ bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
 }
 
 if [ "${CLOCK_LOG:-0}" = 1 ]; then
-  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv -lms 200 > "$OUT/clocks.log" 2>&1 &
-  clock_logger=$!
+  nvidia-smi --format=csv -lms 200 \
+    --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    > "$OUT/clocks.log" 2>&1 &
+  trap "kill $! 2>/dev/null" EXIT  # also when a stage ends the script early (a failed build)
 fi
 
 for s in $STAGES; do
@@ -238,7 +239,6 @@ for s in $STAGES; do
   esac
 done
 
-[ -n "${clock_logger:-}" ] && kill "$clock_logger" 2>/dev/null
 tar -czf "$OUT/results.tgz" -C "$OUT" results_dir 2>/dev/null && rm -rf "$OUT/results_dir"
 echo "===== tail of logs ====="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -25 "$f"; done

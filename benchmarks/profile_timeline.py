@@ -56,7 +56,8 @@ def merged_spans(intervals: List[Tuple[float, float]]) -> List[float]:
 
 
 def step_summary(trace_path: str) -> List[Dict[str, float]]:
-    """Per step, the median over rounds: host microseconds, and the GPU span of its work (first start to last end).
+    """Per step, the median over rounds: host microseconds, and the GPU span of its work (first start to
+    last end).
 
     Read from the Chrome trace: the profiler's averages give a step's host range and its GPU range
     (one per stream it used) under one name, so they cannot tell them apart.
@@ -71,7 +72,8 @@ def step_summary(trace_path: str) -> List[Dict[str, float]]:
         # NOTE: a step that used several streams has one GPU range per stream; their union is the step's span.
         gpu = merged_spans([(e["ts"], e["ts"] + e["dur"]) for e in events
                             if e["name"] == step and e.get("cat") == "gpu_user_annotation"])
-        rows.append({"step": step, "host_us": statistics.median(host), "gpu_us": statistics.median(gpu) if gpu else 0.0})
+        rows.append({"step": step, "host_us": statistics.median(host),
+                     "gpu_us": statistics.median(gpu) if gpu else 0.0})
     return rows
 
 
@@ -114,8 +116,8 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
 
 
 def format_steps(result: Dict) -> str:
-    lines = [f"rank {result['rank']} ({result['backend']}): per round (median), host time of each step and the GPU span "
-             "of its work (first start to last end, every stream)",
+    lines = [f"rank {result['rank']} ({result['backend']}): per round (median), host time of each step and the "
+             "GPU span of its work (first start to last end, every stream)",
              f"{'step':<14}{'host us':>12}{'GPU span us':>14}"]
     for row in result["steps"]:
         lines.append(f"{row['step']:<14}{row['host_us']:>12.1f}{row['gpu_us']:>14.1f}")
