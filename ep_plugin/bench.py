@@ -53,6 +53,7 @@ class BenchSettings:
     warmup: int = 5
     iters: int = 30
     seed: int = 0
+    gpu_lead_us: float = 0.0            # a GPU sleep before each timed call's flush (Timer)
     baseline: bool = True               # also time the reference backend
     check: bool = True                  # verify results against the reference backend
     sweep: Dict[str, List[int]] = field(default_factory=dict)  # e.g. {"num_sms": [8, 16, 24]}
@@ -77,6 +78,13 @@ def per_token_fp8(x: torch.Tensor):
     return quantize(x, round_scale=False, use_ue8m0=False)
 
 
+@dataclass
+class Times:
+    """One timed loop: the GPU's time per call (CUDA events) and the host's (the Python call itself)."""
+    gpu_us: List[float]
+    host_us: List[float]
+
+
 class Timer:
     """Per-call times, as DeepEP's benchmarks take them.
 
@@ -84,34 +92,43 @@ class Timer:
     and the L2 flushed (256 MB written) before each, outside the timed region. No host barrier
     between calls: ranks stay in step through the operation itself (every dispatch and combine waits
     for its peers), so a barrier's exit skew is not timed. CPU: a barrier and perf_counter per call.
+
+    The host's time per call is taken too. Where it is longer than the GPU's, the GPU waits for the
+    launches and the events time the host as well. `gpu_lead_us` > 0 queues a GPU sleep of that
+    length before each flush: the host then runs ahead and the events time the GPU alone.
     """
 
     METHOD = "warm-up, one barrier, back-to-back calls, L2 flushed before each (untimed), CUDA events"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, gpu_lead_us: float = 0.0) -> None:
         self.device = device
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        self.lead_cycles = _sleep_cycles(gpu_lead_us) if gpu_lead_us > 0 and device.type == "cuda" else 0
 
-    def run(self, fn: Callable[[], object], group, warmup: int, iters: int) -> List[float]:
+    def run(self, fn: Callable[[], object], group, warmup: int, iters: int) -> Times:
         if self.device.type != "cuda":
             return self._run_on_host(fn, group, warmup, iters)
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
         dist.barrier(group=group)
-        events = []
+        events, host_us = [], []
         for _ in range(iters):
+            if self.lead_cycles:
+                torch.cuda._sleep(self.lead_cycles)
             self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             fn()
+            host_us.append((time.perf_counter() - begin) * 1e6)
             end.record()
             events.append((start, end))
         torch.cuda.synchronize()
-        return [start.elapsed_time(end) * 1e3 for start, end in events]
+        return Times([start.elapsed_time(end) * 1e3 for start, end in events], host_us)
 
     @staticmethod
-    def _run_on_host(fn: Callable[[], object], group, warmup: int, iters: int) -> List[float]:
+    def _run_on_host(fn: Callable[[], object], group, warmup: int, iters: int) -> Times:
         times = []
         for i in range(warmup + iters):
             dist.barrier(group=group)
@@ -119,7 +136,19 @@ class Timer:
             fn()
             if i >= warmup:
                 times.append((time.perf_counter() - begin) * 1e6)
-        return times
+        return Times(times, times)
+
+
+def _sleep_cycles(lead_us: float) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for `lead_us` microseconds (measured here)."""
+    probe = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # warm-up
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return max(1, int(probe * lead_us / (start.elapsed_time(end) * 1e3)))
 
 
 DISPATCH_PATHS = ("direct", "direct, copy-engine rows", "direct, fell back to rings", "rings")
@@ -134,6 +163,10 @@ def _dispatch_path(buf: Buffer) -> str:
     if path == "direct" and backend.last_dispatch_copy_engine:
         return "direct, copy-engine rows"
     return path
+
+
+def _times(t: Times) -> dict:
+    return dict(times_us=t.gpu_us, host_us=t.host_us)
 
 
 def summarize(times_us: List[float]) -> Dict[str, float]:
@@ -244,7 +277,7 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
     own = int(buffer.get_dispatch_layout(topk_idx, s.num_experts)[0][rank])  # this rank's tokens to itself
     bytes_per_token = s.hidden * (1 if s.dtype == "fp8" else 2) + (4 * math.ceil(s.hidden / 128) if s.dtype == "fp8" else 0)
     combine_bytes_per_token = s.hidden * 2
-    timer = Timer(device)
+    timer = Timer(device, s.gpu_lead_us)
     results = {}
     measured = [("", buffer)]
     if s.baseline and buffer.backend_name != "reference":
@@ -259,12 +292,12 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
         # test_intranode.py times for its published dispatch figures.
         cached_times = timer.run(lambda: buf.dispatch(payload, handle=hdl), group, s.warmup, s.iters)
         combine_times = timer.run(lambda: buf.combine(combine_x, hdl, topk_weights=out[2]), group, s.warmup, s.iters)
-        results[prefix + "dispatch"] = dict(times_us=dispatch_times, recv_bytes=num_recv * bytes_per_token,
+        results[prefix + "dispatch"] = dict(**_times(dispatch_times), recv_bytes=num_recv * bytes_per_token,
                                             link_bytes=(num_recv - own) * bytes_per_token)
-        results[prefix + "dispatch_cached"] = dict(times_us=cached_times, recv_bytes=num_recv * bytes_per_token,
+        results[prefix + "dispatch_cached"] = dict(**_times(cached_times), recv_bytes=num_recv * bytes_per_token,
                                                    link_bytes=(num_recv - own) * bytes_per_token,
                                                    path=_dispatch_path(buf))
-        results[prefix + "combine"] = dict(times_us=combine_times, recv_bytes=num_recv * combine_bytes_per_token,
+        results[prefix + "combine"] = dict(**_times(combine_times), recv_bytes=num_recv * combine_bytes_per_token,
                                            link_bytes=(num_recv - own) * combine_bytes_per_token,
                                            path=getattr(buf._backend, "last_combine_path", "") or buf.backend_name)
     backend_name = buffer.backend_name
@@ -299,7 +332,7 @@ def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.
 
     num_messages = int(recv_count.sum())
     msg_bytes = s.hidden + 4 * math.ceil(s.hidden / 128) if use_fp8 else s.hidden * 2
-    timer = Timer(device)
+    timer = Timer(device, s.gpu_lead_us)
     results = {}
     measured = [("", buffer)]
     if s.baseline and buffer.backend_name != "reference":
@@ -309,8 +342,9 @@ def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.
         dispatch_times = timer.run(lambda: run_dispatch(buf), group, s.warmup, s.iters)
         combine_times = timer.run(lambda: buf.low_latency_combine(expert_out, topk_idx, topk_weights, hdl),
                                   group, s.warmup, s.iters)
-        results[prefix + "dispatch"] = dict(times_us=dispatch_times, recv_bytes=num_messages * msg_bytes, link_bytes=None)
-        results[prefix + "combine"] = dict(times_us=combine_times, recv_bytes=num_messages * s.hidden * 2,
+        results[prefix + "dispatch"] = dict(**_times(dispatch_times), recv_bytes=num_messages * msg_bytes,
+                                            link_bytes=None)
+        results[prefix + "combine"] = dict(**_times(combine_times), recv_bytes=num_messages * s.hidden * 2,
                                            link_bytes=None)
     backend_name = buffer.backend_name
     for buf in (buffer, reference):
@@ -329,7 +363,7 @@ def _p2p_ceiling_gbps(rank: int, R: int, group) -> Optional[float]:
     src = torch.empty(size, dtype=torch.uint8, device=here)
     dst = torch.empty(size, dtype=torch.uint8, device=there)
     timer = Timer(here)
-    times = timer.run(lambda: dst.copy_(src, non_blocking=True), group, 2, 5)
+    times = timer.run(lambda: dst.copy_(src, non_blocking=True), group, 2, 5).gpu_us
     torch.cuda.synchronize(there)
     return size / (statistics.median(times) * 1e-6) / 1e9
 
@@ -365,6 +399,8 @@ def aggregate(per_rank: List[dict]) -> Dict[str, dict]:
     for name in per_rank[0]["ops"]:
         stats = [summarize(r["ops"][name]["times_us"]) for r in per_rank]
         entry = {key: sum(st[key] for st in stats) / len(stats) for key in ("median_us", "p10_us", "p90_us")}
+        if "host_us" in per_rank[0]["ops"][name]:  # the host's time per call (the Python call)
+            entry["host_median_us"] = statistics.mean(statistics.median(r["ops"][name]["host_us"]) for r in per_rank)
         algo = [r["ops"][name]["recv_bytes"] / (st["median_us"] * 1e-6) / 1e9 for r, st in zip(per_rank, stats)]
         entry["algo_gbps"] = sum(algo) / len(algo)
         links = [r["ops"][name]["link_bytes"] for r in per_rank]
@@ -402,13 +438,16 @@ def format_table(run: dict) -> str:
              f"verified against the reference backend: {'yes' if run['checked'] else 'NO (--no-check)'}"]
     if run["p2p_gbps"] is not None:
         lines.append(f"P2P copy ceiling (1 GiB into the next GPU, all ranks at once): {run['p2p_gbps']:.1f} GB/s per direction")
-    header = f"{'operation':<20}{'median us':>12}{'p10 us':>10}{'p90 us':>10}{'algo GB/s':>12}{'link GB/s':>12}"
+    # host us: the host's time inside each call; where it passes the GPU's, the events timed the host too.
+    header = (f"{'operation':<20}{'median us':>12}{'p10 us':>10}{'p90 us':>10}{'algo GB/s':>12}{'link GB/s':>12}"
+              f"{'host us':>10}")
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
         link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
+        host = f"{e['host_median_us']:.1f}" if "host_median_us" in e else "-"
         path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") + DISPATCH_PATHS else ""
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
-                     f"{_gbps(e['algo_gbps']):>12}{link:>12}{path}")
+                     f"{_gbps(e['algo_gbps']):>12}{link:>12}{host:>10}{path}")
     return "\n".join(lines)
 
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--iters", type=int, default=30)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--gpu-lead-us", type=float, default=0.0,
+                       help="queue a GPU sleep of this many us before each timed call, so that the host runs ahead "
+                            "and the CUDA events time the GPU alone (default 0: DeepEP's method)")
     bench.add_argument("--sweep", default=None, help="e.g. num_sms=8,16,24 or tokens=128,1024")
     bench.add_argument("--no-baseline", action="store_true", help="skip timing the reference backend")
     bench.add_argument("--no-check", action="store_true", help="skip the check against the reference backend")
@@ -67,7 +70,8 @@ def _bench(args: argparse.Namespace, argv: List[str]) -> int:
     settings = BenchSettings(mode=mode, backend=args.backend, config_path=args.config, num_ranks=args.ranks,
                              num_tokens=args.tokens, hidden=args.hidden, num_topk=args.topk,
                              num_experts=args.experts, num_sms=args.num_sms, dtype=args.dtype,
-                             warmup=args.warmup, iters=args.iters, seed=args.seed, baseline=not args.no_baseline,
+                             warmup=args.warmup, iters=args.iters, seed=args.seed, gpu_lead_us=args.gpu_lead_us,
+                             baseline=not args.no_baseline,
                              check=not args.no_check, sweep=_parse_sweep(args.sweep),
                              command="ep-plugin " + " ".join(shlex.quote(a) for a in argv))
     return main_bench(settings, args.out, args.plot)

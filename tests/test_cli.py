@@ -19,7 +19,7 @@ from ep_plugin import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_KEYS = {"mode", "backend", "num_tokens", "hidden", "num_topk", "num_experts", "num_sms", "dtype", "command"}
-OP_KEYS = {"median_us", "p10_us", "p90_us", "algo_gbps", "link_gbps"}
+OP_KEYS = {"median_us", "p10_us", "p90_us", "algo_gbps", "link_gbps", "host_median_us"}
 
 
 def run_bench(tmp_path: Path, *args: str) -> dict:
@@ -32,6 +32,7 @@ def check_op(name: str, op: dict) -> None:
     assert OP_KEYS <= set(op), f"{name}: missing {OP_KEYS - set(op)}"
     assert 0 < op["p10_us"] <= op["median_us"] <= op["p90_us"], f"{name}: {op}"
     assert op["algo_gbps"] > 0, f"{name}: {op}"
+    assert op["host_median_us"] > 0, f"{name}: {op}"
 
 
 @pytest.mark.parametrize("mode,dtype", [("normal", "bf16"), ("normal", "fp8"), ("low_latency", "fp8"),

@@ -1,4 +1,4 @@
-"""benchmarks/profile_timeline.py on CPU (reference backend, gloo): steps, tables and traces per rank."""
+"""benchmarks/profile_timeline.py and profile_host.py on CPU (reference backend, gloo): steps, tables, traces."""
 import json
 import subprocess
 import sys
@@ -22,3 +22,17 @@ def test_profile_timeline_reports_every_step_of_every_rank(tmp_path):
         assert "ep.dispatch" in (tmp_path / f"kernels_rank{rank}.txt").read_text()
         assert json.loads((tmp_path / f"timeline_rank{rank}.json").read_text())["traceEvents"]
     assert "ep.combine" in run.stdout and "top kernels" in run.stdout
+
+
+def test_profile_host_times_every_call_of_the_round_on_every_rank():
+    script = SCRIPT.parent / "profile_host.py"
+    run = subprocess.run([sys.executable, str(script), "--ranks", "2", "--tokens", "32", "--hidden", "256",
+                          "--topk", "2", "--experts", "8", "--iters", "3", "--top", "5"],
+                         capture_output=True, text=True, timeout=240, cwd=SCRIPT.parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        line = next(l for l in run.stdout.splitlines() if l.startswith(f"rank {rank}:"))
+        times = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
+        assert list(times) == ["layout", "dispatch", "cached_dispatch", "combine"]
+        assert all(float(v) > 0 for v in times.values())
+    assert "by own time" in run.stdout and "buffer.py" in run.stdout
