@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -92,6 +93,13 @@ class Buffer:
         self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,
                                ranks_per_node=ranks_per_node, device=device)
         self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._device_index = device.index
+        self._default_configs = {}
+        self._last_checked_ids = None  # (weak reference, facts) of the topk_idx last checked
+        # Reused for the two streams' ordering in every call (an event is re-recorded safely: a wait
+        # takes the event's state when it is queued).
+        self._comm_waits_compute = torch.cuda.Event() if device.type == "cuda" else None
+        self._compute_waits_comm = torch.cuda.Event() if device.type == "cuda" else None
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
@@ -199,6 +207,15 @@ class Buffer:
         num_sms = cls.num_sms if cls._num_sms_set_explicitly else settings.num_sms
         return cls._tuned(default_combine_config(num_sms, num_ranks), settings.combine)
 
+    def _default_config(self, kind: str) -> Config:
+        """A call's config when none is given, built once per SM count (`set_num_sms` may change it)."""
+        key = (kind, Buffer.num_sms, Buffer._num_sms_set_explicitly)
+        config = self._default_configs.get(key)
+        if config is None:
+            make = self._dispatch_config_for if kind == "dispatch" else self._combine_config_for
+            config = self._default_configs[key] = make(self._settings, self.group_size)
+        return config
+
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The stream communication kernels run on (None on CPU)."""
         return self._comm_stream
@@ -214,13 +231,19 @@ class Buffer:
         """
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
-        compute_stream = torch.cuda.current_stream()
+        # NOTE: streams and events by the buffer's device index, and two reused events: torch's
+        # no-argument stream helpers look the current device up each time (a few us per call).
+        compute_stream = torch.cuda.current_stream(self._device_index)
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(self._comm_stream)
         else:
-            self._comm_stream.wait_stream(compute_stream)
-        with torch.cuda.stream(self._comm_stream):
+            self._comm_waits_compute.record(compute_stream)
+            self._comm_stream.wait_event(self._comm_waits_compute)
+        torch.cuda.set_stream(self._comm_stream)
+        try:
             outputs = fn()
+        finally:
+            torch.cuda.set_stream(compute_stream)
         capturing = V.is_capturing()
         output_tensors = V.flatten_tensors(outputs)
         if not allocate_on_comm_stream and not capturing:
@@ -233,7 +256,8 @@ class Buffer:
                     if tensor.is_cuda:
                         tensor.record_stream(self._comm_stream)
             return outputs, EventOverlap(EventHandle(self._comm_stream), V.flatten_tensors(inputs) + output_tensors)
-        compute_stream.wait_stream(self._comm_stream)
+        self._compute_waits_comm.record(self._comm_stream)
+        compute_stream.wait_event(self._compute_waits_comm)
         return outputs, EventOverlap(None)
 
     def _device(self) -> torch.device:
@@ -262,8 +286,7 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk("topk_idx", topk_idx, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0,
                      self._device())
-        if self._settings.check_inputs:
-            V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        self._check_expert_ids(topk_idx, num_experts)
         outputs, event = self._run(lambda: backend.get_dispatch_layout(topk_idx.contiguous(), num_experts),
                                    [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
         return (*outputs, event)
@@ -314,7 +337,7 @@ class Buffer:
         data, scales = V.split_x(x, device)
         is_tuple = isinstance(x, (tuple, list))
         # No config given: the recommended one with the YAML config's `dispatch:` tuning (as sized).
-        config = self._dispatch_config_for(self._settings, self.group_size) if config is None else config
+        config = self._default_config("dispatch") if config is None else config
         self._check_config(config)
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
@@ -345,8 +368,7 @@ class Buffer:
         V.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), 1, device)
         num_experts = num_tokens_per_expert.size(0)
         V.check_num_experts(num_experts, R)
-        if self._settings.check_inputs:
-            V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        self._check_expert_ids(topk_idx, num_experts)
         if num_worst_tokens == 0 and V.is_capturing():
             raise RuntimeError("dispatch under CUDA-graph capture needs num_worst_tokens > 0 "
                                "(otherwise the host must wait for the received-token count)")
@@ -394,7 +416,7 @@ class Buffer:
                 raise ValueError(f"topk_weights: top-k must be in [1, {V.MAX_TOPK}], got {topk_weights.size(1)}")
         num_tokens = backend.handle_num_tokens(handle)
         bias_0, bias_1 = V.unpack_bias(bias, num_tokens, x.size(1), device)
-        config = self._combine_config_for(self._settings, self.group_size) if config is None else config
+        config = self._default_config("combine") if config is None else config
         self._check_config(config)
         x = x.contiguous()
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
@@ -403,6 +425,18 @@ class Buffer:
                                    allocate_on_comm_stream)
         combined_x, combined_weights = outputs
         return combined_x, combined_weights, event
+
+    def _check_expert_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        """With `check_inputs`: every id is -1 or an expert (a host sync). A dispatch given the tensor
+        that its layout call just checked, unmodified since (same version counter), skips the second."""
+        if not self._settings.check_inputs:
+            return
+        facts = (topk_idx.data_ptr(), topk_idx._version, tuple(topk_idx.shape), num_experts)
+        last = self._last_checked_ids
+        if last is not None and last[0]() is topk_idx and last[1] == facts:
+            return
+        V.check_expert_ids("topk_idx", topk_idx, num_experts)
+        self._last_checked_ids = (weakref.ref(topk_idx), facts)
 
     def _check_handle(self, handle: object) -> None:
         owner = getattr(handle, "owner", None)

@@ -1,6 +1,7 @@
 """Argument checks shared by every backend: each raises before any kernel runs, naming the argument."""
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -10,8 +11,13 @@ from .tuning import MAX_TOPK
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()  # NOTE: asked once: each call reads the environment and may ask NVML
+
+
 def is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _cuda_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,

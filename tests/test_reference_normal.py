@@ -201,6 +201,58 @@ def dispatch_round(ctx: Ctx, case_id: int, *, tokens: Optional[List[int]] = None
             assert_equal("cached recv_x_scales", scales2_out[:n], exp2["recv_x_scales"])
 
 
+def check_ids_once_per_unchanged_tensor(buf, x, topk, num_experts: int, layout: dict) -> None:
+    """The ids that a layout call checked are not checked again by the dispatch given the same tensor
+    (one host sync less per step), but are once the tensor changed in place."""
+    from ep_plugin import validation
+    checked, original = [], validation.check_expert_ids
+    validation.check_expert_ids = lambda *args: (checked.append(args[1]), original(*args))
+    try:
+        ids = topk.clone()
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, num_experts)
+        buf.dispatch(x, topk_idx=ids, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert)
+        assert [t is ids for t in checked] == [True], "the dispatch checked the layout's ids again"
+        ids[1, 0] = num_experts + 3  # in place: the version counter moves
+        with pytest.raises(ValueError, match=r"topk_idx\[1, 0\] = %d is not an expert id" % (num_experts + 3)):
+            buf.dispatch(x, topk_idx=ids, **layout)
+        assert len(checked) == 2
+    finally:
+        validation.check_expert_ids = original
+
+
+def case_set_num_sms_reaches_later_calls(ctx: Ctx) -> None:
+    """`Buffer.set_num_sms` changes the SMs of the next calls made without a config (the buffer keeps
+    its default configs between calls), as DeepEP's class-wide setting does."""
+    buf, dev = ctx.buffer, ctx.device
+    num_experts = 2 * ctx.num_ranks
+    topk = torch.tensor([[0, 1], [num_experts - 1, -1]], device=dev)
+    x = torch.randn(2, 64, device=dev).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, num_experts)
+    recv, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    backend, seen = buf._backend, []
+    calls = {name: getattr(backend, name) for name in ("cached_dispatch", "combine")}
+
+    def spy(kind: str, call):  # records the SMs of the config each call was given (its last argument)
+        return lambda *args: (seen.append((kind, args[-1].num_sms)), call(*args))[1]
+
+    backend.cached_dispatch = spy("dispatch", calls["cached_dispatch"])
+    backend.combine = spy("combine", calls["combine"])
+    saved = (ep_plugin.Buffer.num_sms, ep_plugin.Buffer._num_sms_set_explicitly)
+    try:
+        for num_sms in (saved[0], 12, 8):
+            if num_sms != saved[0]:
+                ep_plugin.Buffer.set_num_sms(num_sms)
+            buf.dispatch(x, handle=handle)
+            buf.combine(recv, handle)
+        assert seen == [(kind, n) for n in (saved[0], 12, 8) for kind in ("dispatch", "combine")], seen
+    finally:
+        ep_plugin.Buffer.num_sms, ep_plugin.Buffer._num_sms_set_explicitly = saved
+        for name, call in calls.items():
+            setattr(backend, name, call)
+
+
 def case_bad_inputs(ctx: Ctx) -> None:
     """Bad arguments are rejected before anything runs (every rank makes the same bad call)."""
     dev, buf = ctx.device, ctx.buffer
@@ -217,6 +269,7 @@ def case_bad_inputs(ctx: Ctx) -> None:
         buf.get_dispatch_layout(topk, num_experts + 1)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, num_experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    check_ids_once_per_unchanged_tensor(buf, x, topk, num_experts, layout)
     with pytest.raises(TypeError, match="x must have dtype"):
         buf.dispatch(x.float(), topk_idx=topk, **layout)
     with pytest.raises(ValueError, match="x must be 2-D"):
@@ -304,13 +357,14 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "multinode_worst_tokens": lambda: dispatch_round(ctx, 15, buffer=ctx.multinode,
                                                          ranks_per_node=ctx.ranks_per_node, worst=True, cached="bf16"),
         "bad_inputs": lambda: case_bad_inputs(ctx),
+        "set_num_sms": lambda: case_set_num_sms_reaches_later_calls(ctx),
     }
 
 
 CASES = ("bf16_weights_alignment", "bf16_no_weights_one_bias", "fp8_tuple_cached_bf16", "bf16_cached_fp8_tuple",
          "rank_with_zero_tokens", "zero_tokens_everywhere", "all_to_last_rank", "all_to_one_expert",
          "unrouted_tokens", "heavy_drop", "worst_tokens_padding", "worst_tokens_fp8_padding",
-         "worst_tokens_overflow", "multinode_layout", "multinode_worst_tokens", "bad_inputs")
+         "worst_tokens_overflow", "multinode_layout", "multinode_worst_tokens", "bad_inputs", "set_num_sms")
 
 
 def normal_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:

@@ -344,9 +344,9 @@ class NativeBackend(Backend):
         return runtime
 
     # ---- helpers -------------------------------------------------------------------------------
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+    def _stream(self) -> int:
+        # NOTE: by device index: with no argument torch looks the current device up (a few us per call).
+        return torch.cuda.current_stream(self.info.device.index).cuda_stream
 
     def _intranode(self):
         if self._runtime is None:
