@@ -45,6 +45,8 @@
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 #   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
 #              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
+#   host       the host's time per call of layout / dispatch / cached dispatch / combine without a profiler, then a
+#              cProfile of the same rounds, at HOST_TOKENS (default "128 4096") tokens (benchmarks/profile_host.py)
 # CLOCK_LOG=1 logs every GPU's SM clock, power, temperature and throttle reasons every 200 ms into clocks.log for
 # the whole call (the stage headers carry their start times, to line the two up).
 # On 4 or 8 GPUs (EP4/EP8): EP_TEST_RANKS=4 (or 8) runs the intranode and low-latency tests at that many
@@ -230,6 +232,11 @@ for s in $STAGES; do
         ( [ -n "$envs" ] && export $envs; echo "variant $name: ${envs:-no overrides} $args" >> "$summary"
           bench "variant_$name" --num-sms 24 --dtype bf16 --no-baseline --warmup 3 --iters 20 $args )
       done <<< "${VARIANTS:-}"
+      ;;
+    host)  # the host's time per call and where it goes (benchmarks/profile_host.py)
+      for t in ${HOST_TOKENS:-128 4096}; do
+        stage host timeout 120 python3 benchmarks/profile_host.py --tokens "$t" --iters 300 --top 30
+      done
       ;;
     sweeps)
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --warmup 2 --iters 10 --plot "$OUT/results_dir/sweep_sms.png"
