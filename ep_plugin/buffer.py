@@ -231,6 +231,10 @@ class Buffer:
         """
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
+        if torch.cuda.current_device() != self._device_index:
+            # A caller whose current device is another GPU: set_stream below would switch its device.
+            with torch.cuda.device(self._device_index):
+                return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
         # NOTE: streams and events by the buffer's device index, and two reused events: torch's
         # no-argument stream helpers look the current device up each time (a few us per call).
         compute_stream = torch.cuda.current_stream(self._device_index)
