@@ -390,6 +390,47 @@ def test_1000_back_to_back_iterations():
     assert parallel_launch(RANKS, long_run_rank, 1000) == [1000] * RANKS
 
 
+def other_device_rank(rank: int, R: int, group) -> bool:
+    """Calls made while another GPU is current run on the buffer's GPU and leave the caller's device as it was."""
+    native, reference = make_buffers(group)
+    own = torch.cuda.current_device()
+    other = (own + 1) % torch.cuda.device_count()
+    assert other != own, "this test needs a second GPU visible to each rank"
+    case = dict(T=256, H=2048, K=8, E=64)
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=31000)
+    poison_allocator(64)
+    torch.cuda.set_device(other)
+    try:
+        layout = native.get_dispatch_layout(topk_idx, 64)
+        out = native.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                              num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+        cached = native.dispatch(x, handle=out[4])
+        combined = native.combine(out[0] * 2, out[4], topk_weights=out[2])
+        assert torch.cuda.current_device() == other, "a Buffer call switched the caller's current device"
+    finally:
+        torch.cuda.set_device(own)
+    torch.cuda.synchronize()
+    assert out[0].device.index == own and combined[0].device.index == own
+    want_layout = reference.get_dispatch_layout(topk_idx, 64)
+    for i in (0, 2, 3):
+        assert_same(f"layout[{i}]", layout[i], want_layout[i])
+    want = reference.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                              num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=weights)
+    for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+        assert_same(name, out[i], want[i])
+    assert_same("cached recv_x", cached[0], want[0])
+    want_c = reference.combine(want[0] * 2, want[4], topk_weights=want[2])
+    torch.testing.assert_close(combined[0].float(), want_c[0].float(), rtol=1e-2, atol=1e-2)
+    native.destroy()
+    reference.destroy()
+    return True
+
+
+@needs_ranks(RANKS, own_gpus=True)
+def test_calls_while_another_gpu_is_current_keep_the_callers_device():
+    assert parallel_launch(RANKS, other_device_rank) == [True] * RANKS
+
+
 # ---- failures: a missing peer, bad input ------------------------------------------------------
 def missing_peer_rank(rank: int, R: int, group, op: str) -> str:
     native, _ = make_buffers(group, timeout_s=3.0, combine_staging_tokens=0 if op == "combine_sm" else 4096,
