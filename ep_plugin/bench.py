@@ -399,8 +399,8 @@ def aggregate(per_rank: List[dict]) -> Dict[str, dict]:
     for name in per_rank[0]["ops"]:
         stats = [summarize(r["ops"][name]["times_us"]) for r in per_rank]
         entry = {key: sum(st[key] for st in stats) / len(stats) for key in ("median_us", "p10_us", "p90_us")}
-        if "host_us" in per_rank[0]["ops"][name]:  # the host's time per call (the Python call)
-            entry["host_median_us"] = statistics.mean(statistics.median(r["ops"][name]["host_us"]) for r in per_rank)
+        # The host's time per call (the Python call itself).
+        entry["host_median_us"] = statistics.mean(statistics.median(r["ops"][name]["host_us"]) for r in per_rank)
         algo = [r["ops"][name]["recv_bytes"] / (st["median_us"] * 1e-6) / 1e9 for r, st in zip(per_rank, stats)]
         entry["algo_gbps"] = sum(algo) / len(algo)
         links = [r["ops"][name]["link_bytes"] for r in per_rank]
@@ -444,10 +444,9 @@ def format_table(run: dict) -> str:
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
         link = _gbps(e["link_gbps"]) if e["link_gbps"] is not None else "-"
-        host = f"{e['host_median_us']:.1f}" if "host_median_us" in e else "-"
         path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") + DISPATCH_PATHS else ""
         lines.append(f"{name:<20}{e['median_us']:>12.1f}{e['p10_us']:>10.1f}{e['p90_us']:>10.1f}"
-                     f"{_gbps(e['algo_gbps']):>12}{link:>12}{host:>10}{path}")
+                     f"{_gbps(e['algo_gbps']):>12}{link:>12}{e['host_median_us']:>10.1f}{path}")
     return "\n".join(lines)
 
 

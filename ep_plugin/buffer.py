@@ -93,7 +93,6 @@ class Buffer:
         self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,
                                ranks_per_node=ranks_per_node, device=device)
         self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._device_index = device.index
         self._default_configs = {}
         self._last_checked_ids = None  # (weak reference, facts) of the topk_idx last checked
         # Reused for the two streams' ordering in every call (an event is re-recorded safely: a wait
@@ -231,13 +230,14 @@ class Buffer:
         """
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
-        if torch.cuda.current_device() != self._device_index:
+        device_index = self._info.device.index
+        if torch.cuda.current_device() != device_index:
             # A caller whose current device is another GPU: set_stream below would switch its device.
-            with torch.cuda.device(self._device_index):
+            with torch.cuda.device(device_index):
                 return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
         # NOTE: streams and events by the buffer's device index, and two reused events: torch's
         # no-argument stream helpers look the current device up each time (a few us per call).
-        compute_stream = torch.cuda.current_stream(self._device_index)
+        compute_stream = torch.cuda.current_stream(device_index)
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(self._comm_stream)
         else:
