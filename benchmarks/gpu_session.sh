@@ -45,6 +45,8 @@
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 #   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
 #              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
+#   ctimeline  benchmarks/combine_timeline.py: every GPU operation of the copy-engine combine on both ranks, the GPU
+#              alone (a sleep before each combine), at CTL_SMS (default 24) SMs
 #   host       the host's time per call of layout / dispatch / cached dispatch / combine without a profiler, then a
 #              cProfile of the same rounds, at HOST_TOKENS (default "128 4096") tokens (benchmarks/profile_host.py)
 # CLOCK_LOG=1 logs every GPU's SM clock, power, temperature and throttle reasons every 200 ms into clocks.log for
@@ -232,6 +234,10 @@ for s in $STAGES; do
         ( [ -n "$envs" ] && export $envs; echo "variant $name: ${envs:-no overrides} $args" >> "$summary"
           bench "variant_$name" --num-sms 24 --dtype bf16 --no-baseline --warmup 3 --iters 20 $args )
       done <<< "${VARIANTS:-}"
+      ;;
+    ctimeline)
+      stage ctimeline timeout 120 python3 benchmarks/combine_timeline.py --num-sms "${CTL_SMS:-24}" \
+        --out-dir "$OUT/results_dir/combine_timeline_${CTL_SMS:-24}"
       ;;
     host)  # the host's time per call and where it goes (benchmarks/profile_host.py)
       for t in ${HOST_TOKENS:-128 4096}; do
