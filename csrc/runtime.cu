@@ -156,6 +156,20 @@ void IntranodeRuntime::read_tuning_overrides() {
   combine_reduce_launched_first_ =
       env_picks("EP_PLUGIN_COMBINE_LAUNCH", "copies", "reduce", combine_reduce_launched_first_);
   if (const char* early = std::getenv("EP_PLUGIN_COMBINE_EARLY_ROWS")) combine_early_rows_ = std::atoi(early) != 0;
+  combine_sender_kernel_ = env_picks("EP_PLUGIN_COMBINE_SENDER", "engine", "kernel", combine_sender_kernel_);
+  combine_trailing_release_ =
+      env_picks("EP_PLUGIN_COMBINE_RELEASE_WAIT", "start", "trailing", combine_trailing_release_);
+  if (const char* join = std::getenv("EP_PLUGIN_COMBINE_JOIN_SIGNALS")) combine_join_signals_ = std::atoi(join) != 0;
+  if (const char* overlap = std::getenv("EP_PLUGIN_COMBINE_OVERLAP")) {
+    EP_CHECK_ARG(std::sscanf(overlap, "%d", &combine_overlap_loads_) == 1 && combine_overlap_loads_ >= 0 &&
+                     combine_overlap_loads_ <= 2,
+                 "EP_PLUGIN_COMBINE_OVERLAP must be 0, 1 or 2, got " << overlap);
+  }
+  if (const char* prefetch = std::getenv("EP_PLUGIN_COMBINE_PREFETCH")) {
+    EP_CHECK_ARG(std::sscanf(prefetch, "%d", &combine_prefetch_rows_) == 1 && combine_prefetch_rows_ >= 0 &&
+                     combine_prefetch_rows_ <= 2,
+                 "EP_PLUGIN_COMBINE_PREFETCH must be 0, 1 or 2, got " << prefetch);
+  }
   combine_copy_pieces_ = combine_early_rows_ ? 0 : 1;
   if (const char* pieces = std::getenv("EP_PLUGIN_COMBINE_COPY_PIECES")) {
     EP_CHECK_ARG(std::sscanf(pieces, "%d", &combine_copy_pieces_) == 1 && combine_copy_pieces_ >= 0,
@@ -502,8 +516,17 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.epoch = ++staged_epoch_;
   args.pair_path = combine_pair_path_;
   args.early_rows = combine_early_rows_;
+  // NOTE: without early rows the staging area is not refilled with unlanded bytes, which the owner's
+  // reads of the kernel-stored weights rely on.
+  args.sender_kernel = combine_sender_kernel_ && combine_early_rows_;
+  args.prefetch_rows = combine_prefetch_rows_;
+  args.overlap_loads = combine_overlap_loads_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
+  for (int r = 0, first = 0; r < R; first += request.rows_from[r], ++r) {
+    args.send_first[r] = first;
+    args.send_rows[r] = request.rows_from[r];
+  }
 
   // The owner side sums on `side`; the rows for each owner go out on that owner's copy stream.
   // NOTE: one stream per owner: a sender that waits for one owner to free a slot must not hold back
@@ -521,16 +544,31 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
     copy_rows_to_owner(args, layout, r, first, request.rows_from[r], copy_streams_[r]);
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
-    if (combine_signal_stream_) {
+    // NOTE: the caller need not wait for the landed words: they touch only the owner's header, and the
+    // next writes to it queue behind them on the same signal stream (no graph captures this combine).
+    if (combine_signal_stream_ && combine_join_signals_) {
       CUDA_CHECK(cudaEventRecord(signals_done_[r], signal_streams_[r]));
       CUDA_CHECK(cudaStreamWaitEvent(stream, signals_done_[r], 0));
     }
   }
   if (!combine_reduce_launched_first_) launch_reduction(args, request.num_sms, side);
+  if (args.sender_kernel && combine_trailing_release_) wait_for_releases(args.epoch);
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   // NOTE: queued last, so that nothing the host might block on stands before the copies the
   // running reduction waits for.
   release_staging(args, layout, side);
+}
+
+void IntranodeRuntime::wait_for_releases(uint32_t epoch) {
+  // The next combine's copies need each owner's release of this one: waited for now, behind this
+  // combine's copies (after their events, so the caller does not wait), it is usually over before the
+  // next combine starts.
+  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    wait_for_owner(&mine->staged_released[r], epoch, r, -1, copy_streams_[r]);
+    released_epoch_waited_[r] = epoch;
+  }
 }
 
 void IntranodeRuntime::launch_reduction(const intranode::StagedReduceArgs& args, int num_sms, cudaStream_t side) {
@@ -566,17 +604,21 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
   auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
   const uint32_t epoch = args.epoch;
-  // The owner must have finished reading the previous combine's staging area and words; the wait
-  // then tells it this combine's block.
-  wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream,
-                 {&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows))},
-                 {&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first))});
+  // The owner must have finished reading the previous combine's staging area and words (unless the
+  // previous combine's copy stream already waited for that); then this combine's block is told, by the
+  // wait here or by the reduction kernel (sender_kernel).
+  if (!args.sender_kernel)
+    wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream,
+                   {&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows))},
+                   {&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first))});
+  else if (released_epoch_waited_[owner] != epoch - 1)
+    wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream);
 
   uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
   const bool has_weights = args.topk_weights != nullptr && args.num_topk > 0;
   const bool weights_whole = layout.weights_fit_whole(rows, args.num_topk);
   // NOTE: one copy for all the weights: a small copy per piece cost ~5 us of the stream each.
-  if (has_weights && weights_whole && rows > 0)
+  if (has_weights && weights_whole && rows > 0 && !args.sender_kernel)
     CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(0, args.num_topk), args.topk_weights + first * args.num_topk,
                                rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;

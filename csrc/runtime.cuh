@@ -111,6 +111,8 @@ class IntranodeRuntime {
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                           int owner, int64_t first, int64_t rows, cudaStream_t stream);
+  // On each owner's copy stream, after this combine's copies: a wait for the owner's release of `epoch`.
+  void wait_for_releases(uint32_t epoch);
   // The owner's reduction on `side`, after the combine's fork; join_ marks its end.
   void launch_reduction(const intranode::StagedReduceArgs& args, int num_sms, cudaStream_t side);
   // After the owner's reduction: refill its staging area with unlanded bytes (early rows) and tell
@@ -135,7 +137,9 @@ class IntranodeRuntime {
   // Diagnostics for tuning runs: EP_PLUGIN_DISPATCH_SELF_SHARE, EP_PLUGIN_DISPATCH_LATE_SCALES,
   // EP_PLUGIN_DISPATCH_BULK, EP_PLUGIN_DIRECT_MAX_BLOCKS, EP_PLUGIN_STAGED_MAX_BLOCKS, EP_PLUGIN_DIRECT_CHUNK,
   // EP_PLUGIN_COMBINE_PAIR, EP_PLUGIN_COMBINE_SIGNAL_STREAM, EP_PLUGIN_COMBINE_EARLY_ROWS,
-  // EP_PLUGIN_COMBINE_COPY_PIECES (docs/configuration.md).
+  // EP_PLUGIN_COMBINE_COPY_PIECES, EP_PLUGIN_COMBINE_SENDER, EP_PLUGIN_COMBINE_RELEASE_WAIT,
+  // EP_PLUGIN_COMBINE_JOIN_SIGNALS, EP_PLUGIN_COMBINE_PREFETCH, EP_PLUGIN_COMBINE_OVERLAP
+  // (docs/configuration.md).
   void read_tuning_overrides();
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   // Then it makes the writes given (a sender's words in the owner's header).
@@ -187,6 +191,21 @@ class IntranodeRuntime {
   // EP_PLUGIN_COMBINE_LAUNCH=reduce: the owner's reduction is launched before the copies are queued
   // (the code before the twenty-fifth session; its launch held the copies back by about 7 us).
   bool combine_reduce_launched_first_ = false;
+  // EP_PLUGIN_COMBINE_SENDER=engine: the copy stream's wait kernel writes the owner's staged_rows/base
+  // words and the weights go by a copy before the rows (the code before the twenty-seventh session);
+  // `kernel`: the reduction kernel writes both (StagedReduceArgs::sender_kernel).
+  bool combine_sender_kernel_ = true;
+  // EP_PLUGIN_COMBINE_RELEASE_WAIT=start: each combine's copy stream first waits for the owner's release
+  // of the combine before; `trailing` (with the kernel sender): that wait is queued at the end of the
+  // combine before, behind its copies.
+  bool combine_trailing_release_ = true;
+  uint32_t released_epoch_waited_[kMaxNvlPeers] = {};  // [owner]: the release the copy stream waited for last
+  // EP_PLUGIN_COMBINE_JOIN_SIGNALS=1: the caller's stream also waits for the landed words' writes.
+  bool combine_join_signals_ = false;
+  // EP_PLUGIN_COMBINE_PREFETCH: L2 prefetches in the owner's reduction (StagedReduceArgs::prefetch_rows).
+  int combine_prefetch_rows_ = 1;
+  // EP_PLUGIN_COMBINE_OVERLAP: StagedReduceArgs::overlap_loads (0: the reduction's loop before).
+  int combine_overlap_loads_ = 2;
   uint64_t timeout_ns_;
   double timeout_s_;
   void* buffer_ = nullptr;

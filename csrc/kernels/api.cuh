@@ -138,6 +138,16 @@ struct StagedReduceArgs {
   float* combined_topk_weights;     // [T, K] or nullptr
   bool pair_path;                   // tokens with at most two copies take sum_own_and_staged
   bool early_rows;                  // first-round rows are summed as they land (see kUnlandedWord)
+  // The sender's side in this kernel (needs early_rows): once owner o has released its staging area, the
+  // kernel writes o's staged_rows/base words and, where they fit whole, stores this rank's top-k weights
+  // for o, then o's staged_weights_landed word. Otherwise the copy streams do both.
+  bool sender_kernel;
+  int send_first[kMaxNvlPeers];     // [owner]: this rank's first row for owner (rows are ordered by source)
+  int send_rows[kMaxNvlPeers];      // [owner]: rows this rank sends back to owner
+  int prefetch_rows;                // L2 prefetches of the rows to sum: 0 none, 1 the token's, 2 also the next one's
+  // 1: each warp loads its next token's positions a token ahead, and no slot counts where no slot is
+  // reused; 2: also, on the 2-copy path, a token's weights are loaded before its rows (summed after).
+  int overlap_loads;
   DeviceStatus* status;
   uint64_t timeout_ns;
 };

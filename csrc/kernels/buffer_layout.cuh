@@ -79,6 +79,8 @@ struct Header {
   uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
   uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
   uint64_t staged_landed[kMaxNvlPeers];                   // [src]: rows src has copied here (in order)
+  // Written by the reduction kernel of sender src (StagedReduceArgs::sender_kernel), into this header:
+  uint64_t staged_weights_landed[kMaxNvlPeers];           // [src]: count 1 once src's top-k weights are all here
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
   uint64_t staged_released[kMaxNvlPeers];                 // [dst]: epoch whose staging dst has finished reading
@@ -100,6 +102,7 @@ struct Header {
   uint32_t direct_next_move;   // staged rows the direct dispatch's warps have claimed in this call
   uint32_t metadata_blocks_done;  // blocks of the direct dispatch past their metadata
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
+  uint32_t weights_blocks_done[kMaxNvlPeers];  // [dst]: blocks of this rank's reduction past their share of dst's weights
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 

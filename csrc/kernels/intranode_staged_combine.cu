@@ -3,11 +3,13 @@
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, on one stream
 // per owner; after each copy a signal stream counts the rows landed in o's header (runtime.cu). No
-// SM moves a remote byte. Owner o runs `staged_reduce_kernel`: each warp takes tokens in order,
-// sums each token's staged copies with its own copy as they land (see kUnlandedWord), and frees a
-// piece's staging slot for its sender once every row of it is summed. After the kernel, the host
-// refills the area with unlanded bytes and then tells every sender that o has released it.
-// Every progress word is written where its waiter polls it, so no wait reads across NVLink.
+// SM moves a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
+// (send_to_owners: the words that tell o where its rows are, and its top-k weights) and then, as
+// owner, takes tokens in order warp by warp, sums each token's staged copies with its own copy as
+// they land (see kUnlandedWord), and frees a piece's staging slot for its sender once every row of
+// it is summed. After the kernel, the host refills the area with unlanded bytes and then tells every
+// sender that o has released it. Every progress word is written where its waiter polls it, so no
+// wait reads across NVLink.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -103,6 +105,14 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* 
   }
 }
 
+// Asks L2 for `bytes` at `at` (a hint: no data comes back, nothing waits). A warp sums a row in several
+// batches of loads; with the row on its way to L2, every batch after the first finds it there.
+__device__ __forceinline__ void prefetch_to_l2(const void* at, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
+#endif
+}
+
 // What lane s (a source rank) knows about source s's rows in this combine.
 struct SourceState {
   bool known = false;  // base and rows read from the header
@@ -162,11 +172,13 @@ __device__ __forceinline__ void count_summed_row(const StagedReduceArgs& a, cons
 }
 
 // Lane k < num_topk: weight k of a token summed over its copies (own: user memory), in rank order as
-// sum_token_copies adds rows.
+// sum_token_copies adds rows. Bit r of `by_kernel`: source r's weights were stored by its reduction kernel
+// (send_to_owners), and its weights-landed word reports them; else they land with the row.
 template <int kSources>
 __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, const Header* me,
                                                     const float* const (&weights)[kSources],
-                                                    const uint32_t (&unlanded)[kSources], const WaitSite& site) {
+                                                    const uint32_t (&unlanded)[kSources], uint32_t by_kernel,
+                                                    const WaitSite& site) {
   const int lane = lane_id();
   float sum = 0.f;
 #pragma unroll
@@ -178,14 +190,85 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
     }
     const float* weight = weights[r] + lane;
     float value = load_staged(weight);
-    if (unlanded[r] != 0 && has_unlanded_word(value)) value = wait_for_landed(weight, landing_of(a, me, r, unlanded[r]), site);
+    const bool stored = (by_kernel >> r) & 1u;
+    if ((stored || unlanded[r] != 0) && has_unlanded_word(value))
+      value = wait_for_landed(weight, stored ? Landing{&me->staged_weights_landed[r], a.epoch, 1u, r}
+                                             : landing_of(a, me, r, unlanded[r]), site);
     sum += value;
   }
   return sum;
 }
 
+// The sender's side of a combine in its reduction kernel (StagedReduceArgs::sender_kernel): for each owner,
+// once the owner has released its staging area (its reads of the previous combine are over), block 0 tells
+// it where this rank's rows start and how many there are, and every block stores its share of the top-k
+// weights for it; the last block done sets the owner's weights-landed word. The weights then need no copy
+// of their own ahead of the rows on the copy stream.
+__device__ void send_to_owners(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
+                               const WaitSite& site) {
+  for (int owner = 0; owner < a.num_ranks; ++owner) {
+    if (owner == a.rank) continue;
+    const int rows = a.send_rows[owner];
+    if (threadIdx.x == 0) {
+      Deadline deadline(site);
+      uint64_t value;
+      while ((value = ld_acquire_sys(&me->staged_released[owner])) < a.epoch - 1)
+        deadline.check(kWaitStagingFree, owner, a.epoch - 1, value);
+    }
+    __syncthreads();
+    Header* theirs = header_of(a.peer_buffers, owner);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      st_release_sys(&theirs->staged_rows[a.rank], staged_word(a.epoch, static_cast<uint32_t>(rows)));
+      st_release_sys(&theirs->staged_base[a.rank], staged_word(a.epoch, static_cast<uint32_t>(a.send_first[owner])));
+    }
+    if (a.topk_weights == nullptr || a.num_topk == 0 || !layout.weights_fit_whole(rows, a.num_topk)) continue;
+    float* to = reinterpret_cast<float*>(static_cast<uint8_t*>(a.peer_buffers[owner]) +
+                                         layout.region_offset(owner, a.rank) + layout.weights_offset(0, a.num_topk));
+    const float* from = a.topk_weights + static_cast<int64_t>(a.send_first[owner]) * a.num_topk;
+    const int64_t count = static_cast<int64_t>(rows) * a.num_topk;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      to[i] = from[i];
+    // NOTE: every thread's stores are visible before its block is counted; the last block then publishes.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&me->weights_blocks_done[owner], 1u) + 1u == gridDim.x) {
+      me->weights_blocks_done[owner] = 0;
+      __threadfence_system();
+      st_release_sys(&theirs->staged_weights_landed[a.rank], staged_word(a.epoch, 1));
+    }
+  }
+}
+
+// Lane r < R: L2 prefetches of the copy from rank r of token t (own: user memory) and, with prefetch_rows
+// 2, of the warp's next token, whose staged row is prefetched only where it is known (first round of slots).
+__device__ __forceinline__ void prefetch_rows(const StagedReduceArgs& a, const StagingLayout& layout,
+                                              const SourceState& state, const uint8_t* region, int t, int pos,
+                                              int64_t staged, int num_warps) {
+  const int lane = lane_id();
+  if (lane >= a.num_ranks) return;
+  const uint32_t row_bytes = static_cast<uint32_t>(layout.row_bytes);
+  const uint8_t* own = static_cast<const uint8_t*>(a.x);
+  if (pos >= 0 && (lane == a.rank || staged >= 0))
+    prefetch_to_l2(lane == a.rank ? own + static_cast<int64_t>(pos) * row_bytes : region + layout.row_offset(staged),
+                   row_bytes);
+  const int next = t + num_warps;
+  if (a.prefetch_rows < 2 || next >= a.num_tokens) return;
+  const int next_pos = a.send_pos[static_cast<int64_t>(next) * a.num_ranks + lane];
+  if (next_pos < 0) return;
+  if (lane == a.rank) {
+    prefetch_to_l2(own + static_cast<int64_t>(next_pos) * row_bytes, row_bytes);
+    return;
+  }
+  const int index = next_pos - state.base;
+  if (!state.known || index / layout.rows_per_piece >= layout.num_slots) return;
+  prefetch_to_l2(region + layout.row_offset(index), row_bytes);
+}
+
 // kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged).
-template <bool kPair>
+// kWeightsAfter (2-copy path, overlap_loads 2): a token's weights are loaded before its rows and summed
+// after them. NOTE: a kernel of its own: the registers it holds across the rows' sum spill a little.
+template <bool kPair, bool kWeightsAfter>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(StagedReduceArgs a) {
   Header* me = header_of(a.peer_buffers, a.rank);
   const int lane = lane_id();
@@ -202,18 +285,29 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
   constexpr int kSources = kPair ? 2 : kMaxNvlPeers;  // ranks whose copies a token may have
+  if (a.sender_kernel) send_to_owners(a, layout, me, site);
 
   // Warps take tokens in order across the grid, so the first rows to land are summed first.
   const int num_warps = gridDim.x * kWarpsPerChannel;
-  for (int t = blockIdx.x * kWarpsPerChannel + warp; t < a.num_tokens; t += num_warps) {
-    const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+  // overlap_loads: the next token's positions are loaded a token ahead.
+  const int first_token = blockIdx.x * kWarpsPerChannel + warp;
+  int pos_ahead = a.overlap_loads > 0 && lane < R && first_token < a.num_tokens
+                      ? a.send_pos[static_cast<int64_t>(first_token) * R + lane] : -1;
+  for (int t = first_token; t < a.num_tokens; t += num_warps) {
+    int pos = pos_ahead;
+    if (a.overlap_loads == 0) pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+    else if (lane < R && t + num_warps < a.num_tokens)
+      pos_ahead = a.send_pos[static_cast<int64_t>(t + num_warps) * R + lane];
     int piece = -1;
     int64_t staged = -1, weights_index = -1;
     uint32_t unlanded = 0;
     if (is_source && pos >= 0)
       staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site);
+    if (a.prefetch_rows > 0) prefetch_rows(a, layout, state, region, t, pos, staged, num_warps);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
+    const uint32_t weights_by_kernel =
+        __ballot_sync(0xffffffffu, staged >= 0 && a.sender_kernel && layout.weights_fit_whole(state.rows, a.num_topk));
 
     const int4* src[kSources];
     const float* src_weights[kSources];
@@ -236,20 +330,48 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
         src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
       }
     }
-    // The weights first: their arrays are then dead during the rows' sum.
-    if (a.combined_topk_weights != nullptr) {
-      const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, site);
-      if (lane < a.num_topk)
-        a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
-    }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
     int4* out = reinterpret_cast<int4*>(a.combined_x) + row_units;
     if constexpr (kPair) {
+      const bool has_weights = a.combined_topk_weights != nullptr && lane < a.num_topk;
       // NOTE: static indices keep the arrays in registers.
       const bool first = a.rank == 0;
-      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0],
-                         landing_of(a, me, first ? 1 : 0, first ? unlanded_of[1] : unlanded_of[0]), num_units, out, site);
+      const int other = first ? 1 : 0;
+      const Landing landing = landing_of(a, me, other, first ? unlanded_of[1] : unlanded_of[0]);
+      if constexpr (kWeightsAfter) {
+        // The weights' loads go out before the rows' and are summed after them: their latency overlaps.
+        const float* own_weight = has_weights ? (first ? src_weights[0] : src_weights[1]) : nullptr;
+        const float* staged_weight = has_weights ? (first ? src_weights[1] : src_weights[0]) : nullptr;
+        const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
+        float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
+        const uint32_t copies = (own_weight != nullptr ? 1u : 0u) | (staged_weight != nullptr ? 2u : 0u);
+        sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
+        if (has_weights) {
+          const bool stored = (weights_by_kernel >> other) & 1u;
+          if ((copies & 2u) && (stored || !landing.known()) && has_unlanded_word(staged_value))
+            staged_value = wait_for_landed(staged_weight + lane,
+                                           stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
+                                                  : landing, site);
+          // In rank order from zero, as sum_staged_weights adds them.
+          float sum = 0.f;
+          if (first && (copies & 1u)) sum += own_value;
+          if (copies & 2u) sum += staged_value;
+          if (!first && (copies & 1u)) sum += own_value;
+          a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+        }
+      } else {
+        // The weights first: their arrays are then dead during the rows' sum.
+        if (a.combined_topk_weights != nullptr) {
+          const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site);
+          if (has_weights) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+        }
+        sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
+      }
     } else {
+      if (a.combined_topk_weights != nullptr) {
+        const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site);
+        if (lane < a.num_topk) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+      }
 #pragma unroll
       for (int r = 0; r < kSources; ++r)
         if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
@@ -258,7 +380,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
                        bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
     }
     __syncwarp();
-    if (piece >= 0) count_summed_row(a, layout, me, state, lane, piece);
+    // NOTE: with every row of the source in the first round of slots no slot is reused, so nobody
+    // waits for the count (overlap_loads skips its atomic round trip).
+    if (piece >= 0 && !(a.overlap_loads > 0 && state.rows <= layout.rows_capacity()))
+      count_summed_row(a, layout, me, state, lane, piece);
   }
 }
 
@@ -291,8 +416,9 @@ void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {
 
 void load_staged_combine_kernels() {
   cudaFuncAttributes attributes;
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false>));
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false, false>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true, false>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true, true>));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staging_wait_kernel));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, write_word_kernel));
 }
@@ -304,10 +430,14 @@ void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStre
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
   EP_CHECK_ARG(num_blocks >= 1, "the reduction needs at least one SM");
-  if (args.pair_path && args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr)
-    staged_reduce_kernel<true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
-  else
-    staged_reduce_kernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  if (args.pair_path && args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr) {
+    if (args.overlap_loads >= 2)
+      staged_reduce_kernel<true, true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+    else
+      staged_reduce_kernel<true, false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  } else {
+    staged_reduce_kernel<false, false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
