@@ -76,6 +76,19 @@ def test_docs_mention_every_key():
     assert not missing, f"docs/configuration.md does not document {missing}"
 
 
+def test_docs_mention_every_diagnostic_variable():
+    """Every EP_PLUGIN_* variable the native code reads has a row in docs/configuration.md."""
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu*"), recursive=True):
+        with open(path) as handle:
+            names.update(re.findall(r'"(EP_PLUGIN_[A-Z0-9_]+)"', handle.read()))
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as handle:
+        text = handle.read()
+    assert names, "no EP_PLUGIN_ variable found in csrc"
+    missing = sorted(name for name in names if f"`{name}" not in text)
+    assert not missing, f"docs/configuration.md does not document {missing}"
+
+
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "nvlink" not in p and "default" not in p],
                          ids=os.path.basename)
 def test_network_configs_carry_nccl_guidance(path):
