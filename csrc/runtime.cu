@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -53,6 +54,17 @@ bool env_picks(const char* name, const char* off, const char* on, bool current) 
   EP_CHECK_ARG(std::strcmp(value, off) == 0 || std::strcmp(value, on) == 0,
                name << " must be " << off << " or " << on << ", got " << value);
   return std::strcmp(value, on) == 0;
+}
+
+// Environment variable `name` as an integer in [low, high]; unset: `current`; else an error.
+int env_int(const char* name, int low, int high, int current) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return current;
+  int parsed = 0;
+  char rest = 0;
+  EP_CHECK_ARG(std::sscanf(value, "%d%c", &parsed, &rest) == 1 && parsed >= low && parsed <= high,
+               name << " must be an integer from " << low << " to " << high << ", got " << value);
+  return parsed;
 }
 
 // "rows of 14336 bytes, 0 scales, top-8 with weights": a pack_row_layout word for error messages.
@@ -131,23 +143,11 @@ void IntranodeRuntime::read_tuning_overrides() {
   }
   if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
   if (const char* bulk = std::getenv("EP_PLUGIN_DISPATCH_BULK")) dispatch_bulk_rows_ = std::atoi(bulk) != 0;
-  if (const char* blocks = std::getenv("EP_PLUGIN_DIRECT_MAX_BLOCKS")) {
-    EP_CHECK_ARG(std::sscanf(blocks, "%d", &direct_max_blocks_) == 1 && direct_max_blocks_ >= 0,
-                 "EP_PLUGIN_DIRECT_MAX_BLOCKS must be an integer >= 0, got " << blocks);
-  }
-  if (const char* blocks = std::getenv("EP_PLUGIN_STAGED_MAX_BLOCKS")) {
-    EP_CHECK_ARG(std::sscanf(blocks, "%d", &staged_max_blocks_) == 1 && staged_max_blocks_ >= 0,
-                 "EP_PLUGIN_STAGED_MAX_BLOCKS must be an integer >= 0, got " << blocks);
-  }
-  if (const char* share = std::getenv("EP_PLUGIN_DISPATCH_CE_SHARE")) {
-    EP_CHECK_ARG(std::sscanf(share, "%d", &dispatch_ce_share_) == 1 && dispatch_ce_share_ >= 0 &&
-                     dispatch_ce_share_ <= 100,
-                 "EP_PLUGIN_DISPATCH_CE_SHARE must be a percentage from 0 to 100, got " << share);
-  }
-  if (const char* chunk = std::getenv("EP_PLUGIN_DIRECT_CHUNK")) {
-    EP_CHECK_ARG(std::sscanf(chunk, "%d", &direct_chunk_tokens_) == 1 && direct_chunk_tokens_ >= 0,
-                 "EP_PLUGIN_DIRECT_CHUNK must be an integer >= 0, got " << chunk);
-  }
+  constexpr int kAny = std::numeric_limits<int>::max();
+  direct_max_blocks_ = env_int("EP_PLUGIN_DIRECT_MAX_BLOCKS", 0, kAny, direct_max_blocks_);
+  staged_max_blocks_ = env_int("EP_PLUGIN_STAGED_MAX_BLOCKS", 0, kAny, staged_max_blocks_);
+  dispatch_ce_share_ = env_int("EP_PLUGIN_DISPATCH_CE_SHARE", 0, 100, dispatch_ce_share_);
+  direct_chunk_tokens_ = env_int("EP_PLUGIN_DIRECT_CHUNK", 0, kAny, direct_chunk_tokens_);
   direct_block_fence_sys_ = env_picks("EP_PLUGIN_DIRECT_BLOCK_FENCE", "gpu", "sys", direct_block_fence_sys_);
   direct_acquire_exchange_loads_ =
       env_picks("EP_PLUGIN_DIRECT_EXCHANGE_LOADS", "relaxed", "acquire", direct_acquire_exchange_loads_);
@@ -160,21 +160,9 @@ void IntranodeRuntime::read_tuning_overrides() {
   combine_trailing_release_ =
       env_picks("EP_PLUGIN_COMBINE_RELEASE_WAIT", "start", "trailing", combine_trailing_release_);
   if (const char* join = std::getenv("EP_PLUGIN_COMBINE_JOIN_SIGNALS")) combine_join_signals_ = std::atoi(join) != 0;
-  if (const char* overlap = std::getenv("EP_PLUGIN_COMBINE_OVERLAP")) {
-    EP_CHECK_ARG(std::sscanf(overlap, "%d", &combine_overlap_loads_) == 1 && combine_overlap_loads_ >= 0 &&
-                     combine_overlap_loads_ <= 2,
-                 "EP_PLUGIN_COMBINE_OVERLAP must be 0, 1 or 2, got " << overlap);
-  }
-  if (const char* prefetch = std::getenv("EP_PLUGIN_COMBINE_PREFETCH")) {
-    EP_CHECK_ARG(std::sscanf(prefetch, "%d", &combine_prefetch_rows_) == 1 && combine_prefetch_rows_ >= 0 &&
-                     combine_prefetch_rows_ <= 2,
-                 "EP_PLUGIN_COMBINE_PREFETCH must be 0, 1 or 2, got " << prefetch);
-  }
-  combine_copy_pieces_ = combine_early_rows_ ? 0 : 1;
-  if (const char* pieces = std::getenv("EP_PLUGIN_COMBINE_COPY_PIECES")) {
-    EP_CHECK_ARG(std::sscanf(pieces, "%d", &combine_copy_pieces_) == 1 && combine_copy_pieces_ >= 0,
-                 "EP_PLUGIN_COMBINE_COPY_PIECES must be an integer >= 0, got " << pieces);
-  }
+  combine_overlap_loads_ = env_int("EP_PLUGIN_COMBINE_OVERLAP", 0, 2, combine_overlap_loads_);
+  combine_prefetch_rows_ = env_int("EP_PLUGIN_COMBINE_PREFETCH", 0, 2, combine_prefetch_rows_);
+  combine_copy_pieces_ = env_int("EP_PLUGIN_COMBINE_COPY_PIECES", 0, kAny, combine_early_rows_ ? 0 : 1);
 }
 
 void IntranodeRuntime::watch_for_device_errors() {
@@ -523,6 +511,7 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.overlap_loads = combine_overlap_loads_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
+  // Rows received from rank r are rows [first, first + rows_from[r]) of x: they go back to r.
   for (int r = 0, first = 0; r < R; first += request.rows_from[r], ++r) {
     args.send_first[r] = first;
     args.send_rows[r] = request.rows_from[r];
@@ -536,12 +525,10 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   // NOTE: the copies are queued before the reduction is launched: the critical path is the copy, and
   // the reduction has nothing to sum before its first rows land (twenty-fifth session: a launch
   // before the copies held them back by about 7 us).
-  // Rows received from rank r are rows [first, first + rows_from[r]) of x: they go back to r.
-  int64_t first = 0;
-  for (int r = 0; r < R; first += request.rows_from[r], ++r) {
+  for (int r = 0; r < R; ++r) {
     if (r == rank_) continue;
     CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
-    copy_rows_to_owner(args, layout, r, first, request.rows_from[r], copy_streams_[r]);
+    copy_rows_to_owner(args, layout, r, copy_streams_[r]);
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
     // NOTE: the caller need not wait for the landed words: they touch only the owner's header, and the
@@ -598,12 +585,12 @@ void IntranodeRuntime::release_staging(const intranode::StagedReduceArgs& args, 
 }
 
 void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,
-                                          const intranode::StagingLayout& layout, int owner, int64_t first,
-                                          int64_t rows, cudaStream_t stream) {
+                                          const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
   using intranode::staged_word;
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
   auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
   const uint32_t epoch = args.epoch;
+  const int64_t first = args.send_first[owner], rows = args.send_rows[owner];
   // The owner must have finished reading the previous combine's staging area and words (unless the
   // previous combine's copy stream already waited for that); then this combine's block is told, by the
   // wait here or by the reduction kernel (sender_kernel).

@@ -109,8 +109,9 @@ class IntranodeRuntime {
   // fence would).
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
   // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
+  // Its rows are args.send_rows[owner] rows of x from args.send_first[owner] on.
   void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
-                          int owner, int64_t first, int64_t rows, cudaStream_t stream);
+                          int owner, cudaStream_t stream);
   // On each owner's copy stream, after this combine's copies: a wait for the owner's release of `epoch`.
   void wait_for_releases(uint32_t epoch);
   // The owner's reduction on `side`, after the combine's fork; join_ marks its end.
