@@ -159,8 +159,9 @@ def random_bf16(gen, *shape) -> torch.Tensor:
 
 
 def assert_equal(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Exact equality of dtype, shape and bits (FP8 compared through its bytes)."""
-    actual = actual.cpu()
+    """Exact equality of dtype, shape and bits (FP8 compared through its bytes), on the CPU (either
+    side may be a GPU tensor)."""
+    actual, expected = actual.cpu(), expected.cpu()
     assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype}, expected {expected.dtype}"
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     if actual.element_size() == 1:
