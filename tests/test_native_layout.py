@@ -52,7 +52,8 @@ def test_auto_staging_only_where_the_copy_engine_combine_ran_on_gpus():
     assert tuning.staging_rows(tuning.staging_bytes(explicit, 8), 8, explicit.max_hidden) == 1024
 
 
-@pytest.mark.parametrize("hidden_bytes,num_ranks", itertools.product([16, 3072, 5760, 14336, 16384], [1, 2, 4, 8, 16]))
+@pytest.mark.parametrize("hidden_bytes,num_ranks",
+                         list(itertools.product([16, 3072, 5760, 14336, 16384], [1, 2, 4, 8, 16])))
 def test_nvl_size_hint_matches_the_kernels(hidden_bytes, num_ranks):
     for num_sms, recv_tokens in itertools.product([2, 16, 24, 48, 128], [1, 16, 64, 250, 256]):
         config = Config(num_sms, 1, recv_tokens)
