@@ -1,4 +1,4 @@
-"""Where a normal-mode combine's time goes on the GPU: every operation of it on every stream, both ranks.
+"""Where a normal-mode combine's time goes on the GPU: every operation of it on every stream, every rank.
 
 Each rank dispatches once (4096 tokens x 7168, top-8, 256 experts, random routing), then times
 `--iters` cached combines under torch.profiler. Before each combine the caller's stream sleeps
@@ -12,7 +12,8 @@ and end in us from the start marker's end (median over the combines). The peer's
 on this rank's time line through the profiler's host clock (both processes share the host), so the
 rows copy into this rank can be seen beside this rank's reduction.
 
-    python3 benchmarks/combine_timeline.py --out-dir /tmp/ctl     # GPU machine, 2 GPUs
+    python3 benchmarks/combine_timeline.py --out-dir /tmp/ctl     # GPU machine, every GPU one rank
+    python3 benchmarks/combine_timeline.py --staging-tokens 4096  # the copy-engine combine at more than 2 ranks
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ MARK_END = "mark.mul_"
 def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
     device = rank_device(rank)
     config = {"backend": "native", "num_sms": args.num_sms, "check_inputs": False,
-              "buffer": {"max_hidden": args.hidden}}
+              "buffer": {"max_hidden": args.hidden, "combine_staging_tokens": args.staging_tokens}}
     buffer = Buffer.from_config(group, config, explicitly_destroy=True)
     generator = torch.Generator().manual_seed(2000 + rank)
     x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16).to(device)
@@ -120,14 +121,19 @@ def rounds_of(events: List[Dict]) -> List[Dict]:
 
 
 def stream_roles(events: List[Dict]) -> Dict[int, str]:
-    """Each stream's role, from what runs on it: `reduce` (the owner's reduction), `copy` (a copy stream), `sN`."""
+    """Each stream's role, from what runs on it: `reduce` (the owner's reduction), `copy` (the copy stream; with
+    more than 2 ranks, one per owner: `copy1`, `copy2`, ... in the order they first run), `sN`."""
     roles: Dict[int, str] = {}
+    copy_streams: List[int] = []
     for e in events:
         name = short_name(e)
         if name == "staged_reduce_kernel":
             roles[e["stream"]] = "reduce"
-        elif e["stream"] not in roles and (name == "staging_wait_kernel" or "PtoP" in name):
-            roles[e["stream"]] = "copy"
+        elif e["stream"] not in roles and e["stream"] not in copy_streams and \
+                (name == "staging_wait_kernel" or "PtoP" in name):
+            copy_streams.append(e["stream"])
+    for i, stream in enumerate(copy_streams):
+        roles[stream] = "copy" if len(copy_streams) == 1 else f"copy{i + 1}"
     for e in events:
         roles.setdefault(e["stream"], f"s{e['stream']}")
     return roles
@@ -172,6 +178,10 @@ def summarize(rank_events: List[List[Dict]]) -> str:
     return "\n".join(lines)
 
 
+def staging_tokens(text: str):
+    return text if text == "auto" else int(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -182,6 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lead-us", type=float, default=400.0, help="the caller's GPU sleep before each combine")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--staging-tokens", type=staging_tokens, default="auto",
+                        help="buffer.combine_staging_tokens (auto: the copy engines at 2 ranks only; a number "
+                             "profiles them at more ranks)")
     parser.add_argument("--out-dir", default="combine_timeline")
     parser.add_argument("--traces", nargs="*", help="only summarize these traces (rank order)")
     return parser.parse_args(argv)

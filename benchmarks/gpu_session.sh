@@ -45,8 +45,9 @@
 #   profile    Nsight Compute (1 rank) and Nsight Systems (2 ranks) on normal-mode dispatch/combine
 #   timeline   torch.profiler timelines of normal-mode rounds (4096 and 128 tokens): host time of each
 #              step against its kernels' GPU time, top kernels, Chrome traces (benchmarks/profile_timeline.py)
-#   ctimeline  benchmarks/combine_timeline.py: every GPU operation of the copy-engine combine on both ranks, the GPU
-#              alone (a sleep before each combine), at CTL_SMS (default 24) SMs
+#   ctimeline  benchmarks/combine_timeline.py: every GPU operation of the copy-engine combine on every rank, the GPU
+#              alone (a sleep before each combine), at CTL_SMS (default 24) SMs; CTL_STAGING sets its
+#              combine_staging_tokens (the copy engines at more than 2 ranks)
 #   host       the host's time per call of layout / dispatch / cached dispatch / combine without a profiler, then a
 #              cProfile of the same rounds, at HOST_TOKENS (default "128 4096") tokens (benchmarks/profile_host.py)
 # CLOCK_LOG=1 logs every GPU's SM clock, power, temperature and throttle reasons every 200 ms into clocks.log for
@@ -237,7 +238,7 @@ for s in $STAGES; do
       ;;
     ctimeline)
       stage ctimeline timeout 120 python3 benchmarks/combine_timeline.py --num-sms "${CTL_SMS:-24}" \
-        --out-dir "$OUT/results_dir/combine_timeline_${CTL_SMS:-24}"
+        ${CTL_STAGING:+--staging-tokens "$CTL_STAGING"} --out-dir "$OUT/results_dir/combine_timeline_${CTL_SMS:-24}"
       ;;
     host)  # the host's time per call and where it goes (benchmarks/profile_host.py)
       for t in ${HOST_TOKENS:-128 4096}; do

@@ -75,3 +75,23 @@ def test_combine_timeline_puts_both_ranks_on_one_clock(tmp_path):
     assert rows["peer: end marker starts"][0] == "193.0"
     assert "rank 0: 3 combines" in run.stdout and "rank 1: 3 combines" in run.stdout
     assert (tmp_path / "summary.txt").read_text() == run.stdout.removesuffix("\n")
+
+
+def test_combine_timeline_names_each_owners_copy_stream_at_more_ranks():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import combine_timeline
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def event(name, cat, stream):
+        return {"name": name, "cat": cat, "stream": stream, "start": 0.0, "end": 1.0}
+
+    copy = "Memcpy PtoP (Device -> Device)"
+    three_owners = [event("spin_kernel", "kernel", 7), event(copy, "gpu_memcpy", 31), event(copy, "gpu_memcpy", 30),
+                    event("staged_reduce_kernel<true, true>", "kernel", 21), event(copy, "gpu_memcpy", 32),
+                    event(copy, "gpu_memcpy", 31)]
+    assert combine_timeline.stream_roles(three_owners) == {7: "s7", 31: "copy1", 30: "copy2", 21: "reduce",
+                                                           32: "copy3"}
+    one_owner = [event("staging_wait_kernel", "kernel", 20), event(copy, "gpu_memcpy", 20)]
+    assert combine_timeline.stream_roles(one_owner) == {20: "copy"}
