@@ -63,8 +63,9 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
     return SLOT_PAYLOAD_OFFSET + _align(payload_bytes, SLOT_LINE_BYTES)
 
 
-# `buffer.combine_staging_tokens: auto`: the copy-engine combine where it has run on GPUs (2 ranks
-# on 2x H200), 4096 rows per peer; the SM combine (no staging area) at more ranks.
+# `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
+# combine (no staging area) at more ranks, where the copy engines were slower (4x H200, twenty-eighth
+# session: 1038.7 against 963.1 us).
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 
@@ -91,9 +92,10 @@ def staging_bytes(buffer, num_ranks: int) -> int:
     return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
 
 
-# `buffer.dispatch_output_bytes: auto`: the direct dispatch where it has run on GPUs (1 and 2 ranks on
-# 2x H200), with room for 16384 received rows of `max_hidden` (two dispatches of 4096 tokens per rank
-# at 2 ranks, alive at once); none at more ranks. Dispatches that do not fit take the rings.
+# `buffer.dispatch_output_bytes: auto`: the direct dispatch at 1 and 2 ranks, where it is measured
+# faster, with room for 16384 received rows of `max_hidden` (two dispatches of 4096 tokens per rank at 2
+# ranks, alive at once); none at more ranks, where it passes its tests (4x H200) but has not been
+# benchmarked. Dispatches that do not fit take the rings.
 AUTO_OUTPUT_ROWS = 16384
 AUTO_OUTPUT_MAX_RANKS = 2
 
