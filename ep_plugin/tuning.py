@@ -92,12 +92,21 @@ def staging_bytes(buffer, num_ranks: int) -> int:
     return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
 
 
-# `buffer.dispatch_output_bytes: auto`: the direct dispatch at 1 and 2 ranks, where it is measured
-# faster, with room for 16384 received rows of `max_hidden` (two dispatches of 4096 tokens per rank at 2
-# ranks, alive at once); none at more ranks, where it passes its tests (4x H200) but has not been
-# benchmarked. Dispatches that do not fit take the rings.
-AUTO_OUTPUT_ROWS = 16384
-AUTO_OUTPUT_MAX_RANKS = 2
+# `buffer.dispatch_output_bytes: auto`: the direct dispatch at 1 to 4 ranks, with room for two dispatches of
+# 4096 tokens per rank from every rank (at least 2), alive at once: 16384 received rows of `max_hidden` at 1
+# and 2 ranks, 32768 at 4. Measured faster than the rings at 2 ranks (2x H200: 177 against 234 us, BF16
+# cached) and at 4 (4x H200, twenty-ninth session: 466 against 596 us); none at more ranks, where it has not
+# run on GPUs of their own. Dispatches that do not fit take the rings.
+AUTO_OUTPUT_TOKENS_PER_RANK = 4096
+AUTO_OUTPUT_DISPATCHES = 2
+AUTO_OUTPUT_MAX_RANKS = 4
+
+
+def auto_output_rows(num_ranks: int) -> int:
+    """Received rows the `auto` output region holds at `num_ranks` (0: no region)."""
+    if num_ranks > AUTO_OUTPUT_MAX_RANKS:
+        return 0
+    return AUTO_OUTPUT_DISPATCHES * AUTO_OUTPUT_TOKENS_PER_RANK * max(num_ranks, 2)
 
 
 def output_row_bytes(max_hidden: int) -> int:
@@ -109,7 +118,7 @@ def output_row_bytes(max_hidden: int) -> int:
 def output_region_bytes(buffer, num_ranks: int) -> int:
     """Bytes of the direct dispatch's output region that `buffer` asks for (0: none)."""
     if buffer.dispatch_output_bytes == "auto":
-        return AUTO_OUTPUT_ROWS * output_row_bytes(buffer.max_hidden) if num_ranks <= AUTO_OUTPUT_MAX_RANKS else 0
+        return auto_output_rows(num_ranks) * output_row_bytes(buffer.max_hidden)
     return int(buffer.dispatch_output_bytes)
 
 

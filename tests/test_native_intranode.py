@@ -229,7 +229,7 @@ def test_cases_multi_rank_copy_engine_dispatch(combine_staging_tokens, ce_share,
 
 @needs_ranks(RANKS)
 def test_cases_multi_rank_auto_output_region():
-    """The default `buffer.dispatch_output_bytes: auto` sizes a region at 2 ranks: the direct path."""
+    """The default `buffer.dispatch_output_bytes: auto` sizes a region at 1 to 4 ranks: the direct path there."""
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden7168", "num_worst", "large")]
     assert parallel_launch(RANKS, cases_rank, names, 4096, None, "auto") == [names] * RANKS
 

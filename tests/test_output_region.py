@@ -169,11 +169,14 @@ def test_config_key_dispatch_copy_engine():
         as_config({"buffer": {"dispatch_copy_engine": "yes"}})
 
 
-def test_auto_output_region_at_one_and_two_ranks_only():
+def test_auto_output_region_holds_two_dispatches_up_to_four_ranks():
     buffer = as_config({"buffer": {"max_hidden": 7168}}).buffer
     row = 2 * 7168 + 4 * 56 + 12 * tuning.MAX_TOPK + 4
     assert tuning.output_row_bytes(7168) == row
+    # Two dispatches of 4096 tokens per rank from every rank (at least two ranks' worth).
     assert tuning.output_region_bytes(buffer, 1) == tuning.output_region_bytes(buffer, 2) == 16384 * row
-    assert tuning.output_region_bytes(buffer, 4) == tuning.output_region_bytes(buffer, 8) == 0
+    assert tuning.output_region_bytes(buffer, 3) == 24576 * row
+    assert tuning.output_region_bytes(buffer, 4) == 32768 * row
+    assert tuning.output_region_bytes(buffer, 5) == tuning.output_region_bytes(buffer, 8) == 0
     fixed = as_config({"buffer": {"dispatch_output_bytes": 12345}}).buffer
     assert tuning.output_region_bytes(fixed, 8) == 12345
