@@ -64,8 +64,9 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
 
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
-# combine (no staging area) at more ranks, where the copy engines were slower (4x H200, twenty-eighth
-# session: 1038.7 against 963.1 us).
+# combine (no staging area) at more ranks, where the copy engines were slower (4x H200, BF16, 24 SMs:
+# 981.1-1038.7 us against 963.1, and 780.2 with the SM combine's 2 / 64 rings; twenty-eighth and
+# twenty-ninth sessions).
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 

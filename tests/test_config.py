@@ -377,3 +377,21 @@ def test_yaml_tuning_is_what_dispatch_and_combine_use():
 
     seen = parallel_launch(1, configs_seen_by_the_backend, backend="gloo")[0]
     assert seen == {"dispatch": (20, 4, 128), "cached_dispatch": (20, 4, 128), "combine": (20, 5, 160)}
+
+
+def test_default_ring_tuning_by_rank_count():
+    """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 2 / 64 at 3-8 ranks
+    (measured at 4, docs/benchmarks.md, twenty-ninth session); dispatch and internode keep theirs."""
+    from ep_plugin import Buffer
+    from ep_plugin.tuning import default_combine_config, default_dispatch_config
+
+    def rings(config):
+        return config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+
+    for ranks, dispatch, combine in ((2, (4, 128), (4, 128)), (3, (6, 128), (2, 64)), (4, (6, 128), (2, 64)),
+                                     (8, (6, 128), (2, 64)), (16, (6, 128), (6, 128))):
+        assert rings(default_dispatch_config(24, ranks)) == dispatch, ranks
+        assert rings(default_combine_config(24, ranks)) == combine, ranks
+    # A config section still overrides the default.
+    tuned = Buffer._combine_config_for(as_config({"combine": {"nvl_chunked_recv_tokens": 256}}), 4)
+    assert rings(tuned) == (2, 256)
