@@ -243,11 +243,11 @@ COMBINE_RECV_TOKENS_MANY_RANKS = 64
 
 def default_combine_config(num_sms: int, num_ranks: int) -> Config:
     """Recommended combine tuning for any rank count (no closed table)."""
-    config = _default_config(num_sms, num_ranks)
-    if 2 < num_ranks <= NUM_MAX_NVL_PEERS:
-        config.num_max_nvl_chunked_send_tokens = COMBINE_SEND_TOKENS_MANY_RANKS
-        config.num_max_nvl_chunked_recv_tokens = COMBINE_RECV_TOKENS_MANY_RANKS
-    return config
+    base = _default_config(num_sms, num_ranks)
+    if not 2 < num_ranks <= NUM_MAX_NVL_PEERS:
+        return base
+    return Config(num_sms, COMBINE_SEND_TOKENS_MANY_RANKS, COMBINE_RECV_TOKENS_MANY_RANKS,
+                  base.num_max_rdma_chunked_send_tokens, base.num_max_rdma_chunked_recv_tokens)
 
 
 def low_latency_payload_bytes(hidden: int) -> int:
