@@ -1,4 +1,4 @@
-"""The Megatron layer benchmark's bookkeeping and benchmarks/trace_gaps.py, on CPU (no GPU, no Megatron)."""
+"""The Megatron layer benchmark's bookkeeping and benchmarks/probes/trace_gaps.py, on CPU (no GPU, no Megatron)."""
 import importlib.util
 import json
 import subprocess
@@ -48,7 +48,7 @@ def test_trace_gaps_reports_busy_time_and_names_the_host_op_behind_the_longest_g
     ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "trace_gaps.py"), str(trace), "--top", "2"],
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "trace_gaps.py"), str(trace), "--top", "2"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()

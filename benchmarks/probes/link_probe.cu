@@ -1,12 +1,8 @@
-// What one direction of the NVLink between two GPUs carries, by who moves the bytes: the copy
-// engine pushing (issued by the source GPU) or pulling (issued by the destination), SMs storing into
-// the peer or loading from it, and a copy-engine pull beside an SM pull that share the bytes.
-// Both GPUs move the same amount towards each other at once, as a dispatch or a combine does.
+// Link ceilings by who moves the bytes (copy engine push/pull, SM stores/loads), both directions at once, 2 GPUs.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/link_probe.cu && /tmp/link_probe
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/link_probe benchmarks/probes/link_probe.cu && /tmp/link_probe [MB] [rows|roles]
 //
-// Prints GB/s per direction (median of 10 rounds after 2 warm-up rounds; a round's time is the
-// slower GPU's).
+// Prints GB/s per direction (median of 10 rounds after 2 warm-up rounds; a round's time is the slower GPU's).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,7 +11,15 @@
 #include <string>
 #include <vector>
 
-#include "probe_check.h"
+// Exits with the file, line and CUDA error when `call` fails (a standalone probe, not the library).
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    cudaError_t err_ = (call);                                                           \
+    if (err_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
 
 namespace {
 

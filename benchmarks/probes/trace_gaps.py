@@ -1,11 +1,6 @@
-"""Where a step's GPU waits for its host: GPU-idle gaps in a torch.profiler Chrome trace.
+"""The GPU-idle gaps of a torch.profiler Chrome trace, each with the host op running when it began.
 
-    python3 benchmarks/trace_gaps.py TRACE.json [--top 15]
-
-Prints the trace's span (first to last GPU activity), the time the GPU was busy (union of kernel and
-memcpy intervals on every stream), and the longest gaps with no GPU activity, each with the
-innermost host op (ATen / autograd / Python-level record) that was running when the gap began. A
-gap is host time the GPU did not hide: launch overhead, a host sync, Python work between ops.
+    python3 benchmarks/probes/trace_gaps.py TRACE.json [--top 15]
 """
 from __future__ import annotations
 

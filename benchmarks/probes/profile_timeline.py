@@ -1,18 +1,7 @@
-"""Where the time of a normal-mode dispatch/combine goes: a torch.profiler timeline of each rank.
+"""Each rank's host time per step (layout, dispatch, combine) beside its GPU span, from a torch.profiler timeline.
 
-For each rank: a few warm-up rounds, then `--iters` rounds of layout -> dispatch -> combine under
-torch.profiler (CPU and CUDA). Prints, for each rank, each ep_plugin step's host time next to the
-GPU span of its work (first kernel or copy start to last end, every stream), and rank 0's top
-kernels by GPU time; writes each rank's Chrome trace (open in chrome://tracing or Perfetto) and the
-tables to `--out-dir`.
-
-The gap between a step's host time and its GPU span is what no kernel optimisation recovers:
-launches, the host's wait for the notify step, allocations, Python. A kernel's own time against
-the bytes it moves says whether it is bound by NVLink or by its SMs.
-
-    python3 benchmarks/profile_timeline.py --out-dir /tmp/timeline            # GPU machine
-    python3 benchmarks/profile_timeline.py --backend reference --ranks 2 ...   # anywhere (gloo on CPU)
-    python3 benchmarks/profile_timeline.py --ranks-per-node 1 ...              # internode, emulated nodes
+    python3 benchmarks/probes/profile_timeline.py --out-dir /tmp/timeline            # GPU machine
+    python3 benchmarks/probes/profile_timeline.py --backend reference --ranks 2 ...   # anywhere (gloo on CPU)
 """
 from __future__ import annotations
 
