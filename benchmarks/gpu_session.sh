@@ -165,7 +165,7 @@ done
 
 tar -czf "$OUT/results.tgz" -C "$OUT" results_dir 2>/dev/null && rm -rf "$OUT/results_dir"
 echo "===== tail of logs ====="
-for f in "$OUT"/*.log; do echo "--- $f"; tail -25 "$f"; done
+for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -25 "$f"; }; done
 echo "===== summary ====="
 cat "$summary"
 grep -h -A12 "^ep_plugin bench" "$OUT/bench.log" 2>/dev/null | grep -v "^--$" | head -80

@@ -158,7 +158,7 @@ def test_cases_multi_rank_register_copies():
 # The direct dispatch: every rank's outputs in its output region, written by the senders themselves.
 # The region holds the outputs a case keeps alive at once (a dispatch, its handle and a cached
 # dispatch: at most 2 x 4096 x R rows of 14336 bytes, and their metadata): 256 MB per rank.
-# (A region of 512 MB at 8 ranks made `large` fall back to the rings, correctly: twenty-first session.)
+# (A region of 512 MB at 8 ranks makes `large` fall back to the rings.)
 def direct_output_bytes(R: int) -> int:
     return R * (256 << 20)
 
