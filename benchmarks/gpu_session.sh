@@ -15,7 +15,8 @@
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
 #   sweeps     SM sweep 8..48 and token sweep 128..16384, with plots
 #   ll         the native low-latency tests (LL_TESTS=0 skips them), then benchmarks/bench_low_latency.py
-#   internode  the native internode tests, then the bench on 2 emulated nodes of 1 GPU (NVLink underneath)
+#   internode  the native internode tests, then the bench on 2 emulated nodes of 1 GPU (NVLink underneath), direct
+#              stores and the network path (`network.force_puts`)
 #   megatron   the Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel:
 #              python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #                --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2)
@@ -138,6 +139,10 @@ for s in $STAGES; do
       # Emulation: 2 "nodes" x 1 GPU; the network leg runs through NVSHMEM over NVLink underneath.
       printf 'backend: native\ntransport: nvlink\ntopology: {ranks_per_node: 1}\n' > /tmp/emulated_2x1.yaml
       bench internode_emulated_bf16 --config /tmp/emulated_2x1.yaml --num-sms 24 --dtype bf16
+      # The same through the network path (staged puts with signal), the code path real RDMA takes.
+      printf 'backend: native\ntransport: nvlink\ntopology: {ranks_per_node: 1}\nnetwork: {force_puts: true}\n' \
+        > /tmp/emulated_2x1_puts.yaml
+      bench internode_emulated_bf16_puts --config /tmp/emulated_2x1_puts.yaml --num-sms 24 --dtype bf16 --no-baseline
       ;;
     megatron)
       if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then
