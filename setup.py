@@ -10,7 +10,7 @@ Environment:
     CUDAHOSTCXX                host compiler for nvcc
     EP_PLUGIN_SKIP_CUDA=1      install the pure-Python package only
     MAX_JOBS                   parallel nvcc processes
-    EP_PLUGIN_NVCC_FLAGS       extra nvcc flags, e.g. -DEP_PLUGIN_PHASE_PROFILE (a diagnostic build)
+    EP_PLUGIN_NVCC_FLAGS       extra nvcc flags, e.g. "-Xptxas -v"
     NVSHMEM_DIR                NVSHMEM (include/, lib/) for `ep_plugin._C_nvshmem`, the low-latency kernels
                                (default: the nvidia-nvshmem-cu13 or -cu12 wheel; without NVSHMEM that module
                                is skipped and everything else builds as before)

@@ -336,8 +336,8 @@ void LowLatencyRuntime::check_device_error() const {
 
 // ---- InternodeRuntime ------------------------------------------------------------------------------
 InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes,
-                                   double timeout_s, const std::string& unique_id)
-    : num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
+                                   double timeout_s, const std::string& unique_id, bool force_puts)
+    : puts_only_(force_puts), num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
   EP_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank " << rank << " out of range for " << num_ranks << " ranks");
   EP_CHECK_ARG(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
                "ranks_per_node (" << ranks_per_node << ") must divide the " << num_ranks << " ranks of the group");
@@ -355,10 +355,6 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, 
   place_.node = rank / ranks_per_node;
   place_.local = rank % ranks_per_node;
   place_.num_nodes = num_ranks / ranks_per_node;
-  // Diagnostic: the network leg's RDMA code path (staged puts with signal) even between ranks that
-  // NVLink joins, so an NVLink-only machine runs it too.
-  const char* puts = std::getenv("EP_PLUGIN_NETWORK_PUTS");
-  puts_only_ = puts != nullptr && std::string(puts) == "1";
 
   memory_.open(rank, num_ranks, num_rdma_bytes, internode::kHeaderBytes, unique_id, "an internode Buffer");
 }

@@ -75,15 +75,13 @@ void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintp
   runtime.notify(args, as_stream(stream));
 }
 
-// Returns how many of this rank's tokens had their rows go to the peers by copy engine.
-int runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
+void runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
                       int num_tokens,
                       int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
                       uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
                       uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                       uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream,
-                      bool direct, int64_t num_recv_rows, bool has_room, int64_t staging_bytes,
-                      uintptr_t side_stream, uintptr_t recv_rank_offsets, uintptr_t cached_src_idx) {
+                      bool direct, int64_t num_recv_rows, bool has_room) {
   intranode::DispatchArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
@@ -105,16 +103,8 @@ int runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_token
   args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
   args.num_worst_tokens = num_worst_tokens;
   args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets", false);
-  args.cached_src_idx = pointer<const int32_t>(cached_src_idx, "cached_src_idx", false);
-  if (!direct) {
-    EP_CHECK_ARG(staging_bytes == 0, "copy-engine dispatch rows need the direct dispatch (direct=True)");
-    runtime.dispatch(args, as_stream(stream));
-    return 0;
-  }
-  const StagedDispatch staged{staging_bytes, as_stream(side_stream)};
-  return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream),
-                                 staging_bytes > 0 ? &staged : nullptr);
+  if (direct) runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream));
+  else runtime.dispatch(args, as_stream(stream));
 }
 
 void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
@@ -302,8 +292,9 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", &OutputRegionAllocator::describe);
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
-      .def(py::init<int, int, int64_t, double, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
-           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0)
+      .def(py::init<int, int, int64_t, double, int64_t, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0,
+           py::arg("direct_max_blocks") = 16, py::arg("direct_chunk_tokens") = 1)
       .def_property_readonly("device", &IntranodeRuntime::device)
       .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
       .def_property_readonly("staging_bytes", &IntranodeRuntime::staging_bytes)
@@ -312,11 +303,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("output_region_bytes", &IntranodeRuntime::output_region_bytes)
       .def_property_readonly("dispatch_bulk_rows", &IntranodeRuntime::dispatch_bulk_rows,
                              "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
+      .def_property_readonly("direct_max_blocks", &IntranodeRuntime::direct_max_blocks,
+                             "Blocks the direct dispatch runs on at most (0: num_sms).")
       .def_property_readonly("direct_chunk_tokens", &IntranodeRuntime::direct_chunk_tokens,
-                             "Tokens per chunk the direct dispatch's warps claim (0: fixed equal shares).")
-      .def_property_readonly("dispatch_ce_share", &IntranodeRuntime::dispatch_ce_share,
-                             "Percent of a rank's tokens (its last ones) whose rows go to the peers by copy engine "
-                             "with copy-engine dispatch rows (EP_PLUGIN_DISPATCH_CE_SHARE, default 100).")
+                             "Tokens per chunk the direct dispatch's warps claim.")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
            "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })
@@ -338,14 +328,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
            py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"), py::arg("direct") = false,
-           py::arg("num_recv_rows") = 0, py::arg("has_room") = true, py::arg("staging_bytes") = 0,
-           py::arg("side_stream") = 0, py::arg("recv_rank_offsets") = 0, py::arg("cached_src_idx") = 0,
+           py::arg("num_recv_rows") = 0, py::arg("has_room") = true,
            "direct: senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every "
            "rank of the call must pass the same. has_room false: this rank's outputs are elsewhere (its region "
-           "was full), and every rank falls back to the rings. staging_bytes > 0 (direct only, every rank alike): "
-           "the rows cross NVLink by copy engine through the staging areas (recv_rank_offsets [R + 1], and "
-           "cached_src_idx for a cached dispatch; side_stream refills the area). Returns how many of this rank's "
-           "tokens (its last ones) had their rows go to the peers by copy engine.")
+           "was full), and every rank falls back to the rings.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),

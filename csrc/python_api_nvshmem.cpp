@@ -284,13 +284,13 @@ PYBIND11_MODULE(_C_nvshmem, m) {
 
   py::class_<InternodeRuntime>(m, "InternodeRuntime")
       .def(py::init([](int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, double timeout_s,
-                       const py::bytes& unique_id) {
+                       const py::bytes& unique_id, bool force_puts) {
              std::string id = unique_id;
              py::gil_scoped_release release;  // a collective: other Python threads may run meanwhile
-             return new InternodeRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, timeout_s, id);
+             return new InternodeRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, timeout_s, id, force_puts);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_rdma_bytes"),
-           py::arg("timeout_s"), py::arg("unique_id"))
+           py::arg("timeout_s"), py::arg("unique_id"), py::arg("force_puts") = false)
       .def_property_readonly("num_rdma_bytes", &InternodeRuntime::num_rdma_bytes)
       .def_property_readonly("num_nodes", &InternodeRuntime::num_nodes)
       .def("direct_peers", &InternodeRuntime::direct_peers)

@@ -39,32 +39,8 @@ const char* wait_name(int kind) {
     case kWaitStagingFree: return "its staging area (copy-engine path: the peer is still summing an earlier piece)";
     case kWaitPeerOutputs: return "where its outputs are (direct dispatch: the peer has not reached the same call)";
     case kWaitPeerRows: return "the last of its rows (direct dispatch: the peer has not finished writing them)";
-    case kWaitStagedDispatchRows:
-      return "its rows of this dispatch (copy-engine rows: the peer's copy into the staging area has not landed)";
-    case kWaitPeerMetadata:
-      return "its source indices (direct dispatch with copy-engine rows: the peer has not written them)";
     default: return "a signal";
   }
-}
-
-// Environment variable `name` set to `off` or `on`: whether it is `on`; unset: `current`; else an error.
-bool env_picks(const char* name, const char* off, const char* on, bool current) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return current;
-  EP_CHECK_ARG(std::strcmp(value, off) == 0 || std::strcmp(value, on) == 0,
-               name << " must be " << off << " or " << on << ", got " << value);
-  return std::strcmp(value, on) == 0;
-}
-
-// Environment variable `name` as an integer in [low, high]; unset: `current`; else an error.
-int env_int(const char* name, int low, int high, int current) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return current;
-  int parsed = 0;
-  char rest = 0;
-  EP_CHECK_ARG(std::sscanf(value, "%d%c", &parsed, &rest) == 1 && parsed >= low && parsed <= high,
-               name << " must be an integer from " << low << " to " << high << ", got " << value);
-  return parsed;
 }
 
 // "rows of 14336 bytes, 0 scales, top-8 with weights": a pack_row_layout word for error messages.
@@ -81,8 +57,14 @@ std::string describe_row_layout(int64_t word) {
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s,
-                                   int64_t staging_bytes, int64_t output_bytes)
-    : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s) {
+                                   int64_t staging_bytes, int64_t output_bytes, int direct_max_blocks,
+                                   int direct_chunk_tokens)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_nvl_bytes_(num_nvl_bytes),
+      direct_max_blocks_(direct_max_blocks),
+      direct_chunk_tokens_(direct_chunk_tokens),
+      timeout_s_(timeout_s) {
   EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxNvlPeers,
                "the intranode runtime supports 1 to " << kMaxNvlPeers << " ranks, got " << num_ranks);
   EP_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank " << rank << " out of range for " << num_ranks << " ranks");
@@ -92,6 +74,8 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   EP_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
   EP_CHECK_ARG(staging_bytes >= 0, "staging_bytes must be >= 0, got " << staging_bytes);
   EP_CHECK_ARG(output_bytes >= 0, "output_bytes must be >= 0, got " << output_bytes);
+  EP_CHECK_ARG(direct_max_blocks >= 0, "direct_max_blocks must be >= 0, got " << direct_max_blocks);
+  EP_CHECK_ARG(direct_chunk_tokens >= 1, "direct_chunk_tokens must be >= 1, got " << direct_chunk_tokens);
   timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
   staging_offset_ = (num_nvl_bytes + 255) / 256 * 256;
   staging_bytes_ = staging_bytes;
@@ -114,12 +98,10 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   create_copy_streams(staging_bytes);
-  // The copy-engine combine signals from the stream; without the driver entry point, or with
-  // EP_PLUGIN_STREAM_WRITES=kernel, a one-thread kernel writes the word instead.
-  const char* stream_writes = std::getenv("EP_PLUGIN_STREAM_WRITES");
+  // The copy-engine combine signals from the stream; without the driver entry point, a one-thread
+  // kernel writes the word instead.
   cudaDriverEntryPointQueryResult found;
-  if ((stream_writes != nullptr && std::string(stream_writes) == "kernel") ||
-      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
+  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_value64_, 12000, cudaEnableDefault, &found) !=
           cudaSuccess ||
       found != cudaDriverEntryPointSuccess)
     write_value64_ = nullptr;
@@ -128,41 +110,9 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
   int major = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
   dispatch_bulk_rows_ = major >= 9;
-  read_tuning_overrides();
   if (staging_bytes > 0) preload_staged_combine();
   CUDA_CHECK(cudaDeviceSynchronize());
   watchdog_ = std::thread([this] { watch_for_device_errors(); });
-}
-
-void IntranodeRuntime::read_tuning_overrides() {
-  if (const char* share = std::getenv("EP_PLUGIN_DISPATCH_SELF_SHARE")) {
-    EP_CHECK_ARG(std::sscanf(share, "%d/%d", &self_copy_receiver_rounds_, &self_copy_period_) == 2 &&
-                     self_copy_period_ >= 1 && self_copy_receiver_rounds_ >= 0 &&
-                     self_copy_receiver_rounds_ <= self_copy_period_,
-                 "EP_PLUGIN_DISPATCH_SELF_SHARE must be K/M with 0 <= K <= M, M >= 1, got " << share);
-  }
-  if (const char* late = std::getenv("EP_PLUGIN_DISPATCH_LATE_SCALES")) late_scales_ = std::atoi(late) != 0;
-  if (const char* bulk = std::getenv("EP_PLUGIN_DISPATCH_BULK")) dispatch_bulk_rows_ = std::atoi(bulk) != 0;
-  constexpr int kAny = std::numeric_limits<int>::max();
-  direct_max_blocks_ = env_int("EP_PLUGIN_DIRECT_MAX_BLOCKS", 0, kAny, direct_max_blocks_);
-  staged_max_blocks_ = env_int("EP_PLUGIN_STAGED_MAX_BLOCKS", 0, kAny, staged_max_blocks_);
-  dispatch_ce_share_ = env_int("EP_PLUGIN_DISPATCH_CE_SHARE", 0, 100, dispatch_ce_share_);
-  direct_chunk_tokens_ = env_int("EP_PLUGIN_DIRECT_CHUNK", 0, kAny, direct_chunk_tokens_);
-  direct_block_fence_sys_ = env_picks("EP_PLUGIN_DIRECT_BLOCK_FENCE", "gpu", "sys", direct_block_fence_sys_);
-  direct_acquire_exchange_loads_ =
-      env_picks("EP_PLUGIN_DIRECT_EXCHANGE_LOADS", "relaxed", "acquire", direct_acquire_exchange_loads_);
-  if (const char* pair = std::getenv("EP_PLUGIN_COMBINE_PAIR")) combine_pair_path_ = std::atoi(pair) != 0;
-  if (const char* signals = std::getenv("EP_PLUGIN_COMBINE_SIGNAL_STREAM")) combine_signal_stream_ = std::atoi(signals) != 0;
-  combine_reduce_launched_first_ =
-      env_picks("EP_PLUGIN_COMBINE_LAUNCH", "copies", "reduce", combine_reduce_launched_first_);
-  if (const char* early = std::getenv("EP_PLUGIN_COMBINE_EARLY_ROWS")) combine_early_rows_ = std::atoi(early) != 0;
-  combine_sender_kernel_ = env_picks("EP_PLUGIN_COMBINE_SENDER", "engine", "kernel", combine_sender_kernel_);
-  combine_trailing_release_ =
-      env_picks("EP_PLUGIN_COMBINE_RELEASE_WAIT", "start", "trailing", combine_trailing_release_);
-  if (const char* join = std::getenv("EP_PLUGIN_COMBINE_JOIN_SIGNALS")) combine_join_signals_ = std::atoi(join) != 0;
-  combine_overlap_loads_ = env_int("EP_PLUGIN_COMBINE_OVERLAP", 0, 2, combine_overlap_loads_);
-  combine_prefetch_rows_ = env_int("EP_PLUGIN_COMBINE_PREFETCH", 0, 2, combine_prefetch_rows_);
-  combine_copy_pieces_ = env_int("EP_PLUGIN_COMBINE_COPY_PIECES", 0, kAny, combine_early_rows_ ? 0 : 1);
 }
 
 void IntranodeRuntime::watch_for_device_errors() {
@@ -229,9 +179,8 @@ void IntranodeRuntime::destroy() {
     if (copy_done_[r] != nullptr) cudaEventDestroy(copy_done_[r]);
     if (signal_streams_[r] != nullptr) cudaStreamDestroy(signal_streams_[r]);
     if (copy_landed_[r] != nullptr) cudaEventDestroy(copy_landed_[r]);
-    if (signals_done_[r] != nullptr) cudaEventDestroy(signals_done_[r]);
     copy_streams_[r] = signal_streams_[r] = nullptr;
-    copy_done_[r] = copy_landed_[r] = signals_done_[r] = nullptr;
+    copy_done_[r] = copy_landed_[r] = nullptr;
   }
   cudaFreeHost(const_cast<DeviceStatus*>(status_host_));
   cudaFree(buffer_);
@@ -270,15 +219,10 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
   args.num_ranks = num_ranks_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
-  args.self_copy_receiver_rounds = self_copy_receiver_rounds_;
-  args.self_copy_period = self_copy_period_;
-  args.late_scales = late_scales_;
   // Rows past the bulk split's reach (about 200 KB) go through registers.
   args.bulk_rows = dispatch_bulk_rows_ && bulk_rows_fit(args.row_bytes);
   args.direct_max_blocks = direct_max_blocks_;
   args.direct_chunk_tokens = direct_chunk_tokens_;
-  args.direct_block_fence_sys = direct_block_fence_sys_;
-  args.direct_acquire_exchange_loads = direct_acquire_exchange_loads_;
 }
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
@@ -308,8 +252,8 @@ void IntranodeRuntime::require_in_output_region(const void* output, int64_t byte
                                    << output_bytes_ << " bytes (buffer.dispatch_output_bytes)");
 }
 
-int IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
-                                       cudaStream_t stream, const StagedDispatch* staged) {
+void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
+                                       cudaStream_t stream) {
   require_connected();
   EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
   EP_CHECK_ARG(num_recv_rows >= 0, "num_recv_rows must be >= 0, got " << num_recv_rows);
@@ -324,96 +268,15 @@ int IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num_
     require_in_output_region(args.recv_topk_weights, rows * args.num_topk * 4, "recv_topk_weights");
     require_in_output_region(args.recv_src_idx, rows * 4, "recv_src_idx");
   }
-  if (staged != nullptr) {
-    EP_CHECK_ARG(num_ranks_ > 1, "copy-engine dispatch rows need 2 or more ranks");
-    EP_CHECK_ARG(staged->staging_bytes > 0 && staged->staging_bytes <= staging_bytes_,
-                 "staging_bytes must be in (0, " << staging_bytes_ << "], got " << staged->staging_bytes);
-    EP_CHECK_ARG(combine_early_rows_, "copy-engine dispatch rows need the staging area refilled after each use "
-                                      "(EP_PLUGIN_COMBINE_EARLY_ROWS=0 turns that off)");
-    EP_CHECK_ARG(args.recv_rank_offsets != nullptr, "copy-engine dispatch rows need recv_rank_offsets");
-    EP_CHECK_ARG(num_recv_rows == 0 || args.cached_src_idx != nullptr || args.recv_src_idx != nullptr,
-                 "copy-engine dispatch rows need the received rows' source indices (cached_src_idx or recv_src_idx)");
-    // NOTE: every rank numbers this call alike (the combine's copies share the area and the numbers).
-    args.staged_epoch = ++staged_epoch_;
-    args.direct_max_blocks = staged_max_blocks_;
-    args.staging_offset = staging_offset_;
-    args.staging_peer_bytes = staging_peer_bytes(staged->staging_bytes);
-    args.staged_tokens = staged_token_count(args.num_tokens, args.row_bytes, args.staging_peer_bytes);
-    CUDA_CHECK(cudaEventRecord(fork_, stream));
-    if (args.staged_tokens > 0)
-      for (int r = 0; r < num_ranks_; ++r)
-        if (r != rank_) copy_x_to_peer(args, r);
-  }
   intranode::launch_direct_dispatch(args, stream);
   // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header);
   // launched as a programmatic dependent, it overlaps the direct kernel's end.
   args.only_after_fallback = true;
   intranode::launch_dispatch(args, stream);
-  if (staged != nullptr) {
-    if (args.staged_tokens > 0) {
-      for (int r = 0; r < num_ranks_; ++r) {
-        if (r == rank_) continue;
-        CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));  // x is read
-        if (combine_signal_stream_) {
-          CUDA_CHECK(cudaEventRecord(signals_done_[r], signal_streams_[r]));
-          CUDA_CHECK(cudaStreamWaitEvent(stream, signals_done_[r], 0));
-        }
-      }
-    }
-    release_dispatch_staging(args, stream, staged->side);
-  }
-  return args.staged_tokens;
-}
-
-int64_t IntranodeRuntime::staging_peer_bytes(int64_t staging_bytes) const {
-  return num_ranks_ > 1 ? staging_bytes / (num_ranks_ - 1) / 256 * 256 : 0;
-}
-
-int IntranodeRuntime::staged_token_count(int num_tokens, int row_bytes, int64_t peer_bytes) const {
-  const int64_t share = (static_cast<int64_t>(num_tokens) * dispatch_ce_share_ + 99) / 100;
-  return static_cast<int>(std::min({share, peer_bytes / row_bytes, static_cast<int64_t>(num_tokens)}));
-}
-
-void IntranodeRuntime::copy_x_to_peer(const intranode::DispatchArgs& args, int peer) {
-  cudaStream_t stream = copy_streams_[peer];
-  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
-  const uint32_t epoch = args.staged_epoch;
-  CUDA_CHECK(cudaStreamWaitEvent(stream, fork_, 0));
-  // The peer must have finished reading (and refilled) its area after the call before.
-  wait_for_owner(&mine->staged_released[peer], epoch - 1, peer, -1, stream);
-  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[peer]) +
-                    intranode::staged_x_offset(staging_offset_, args.staging_peer_bytes, peer, rank_);
-  const int64_t first_staged = args.num_tokens - args.staged_tokens;
-  CUDA_CHECK(cudaMemcpyAsync(region, static_cast<const uint8_t*>(args.x) + first_staged * args.row_bytes,
-                             static_cast<int64_t>(args.staged_tokens) * args.row_bytes, cudaMemcpyDeviceToDevice,
-                             stream));
-  signal_landed(peer, intranode::staged_word(epoch, static_cast<uint32_t>(args.staged_tokens)), stream);
-  CUDA_CHECK(cudaEventRecord(copy_done_[peer], stream));
-}
-
-void IntranodeRuntime::release_dispatch_staging(const intranode::DispatchArgs& args, cudaStream_t stream,
-                                                cudaStream_t side) {
-  // NOTE: off the caller's stream, as after a combine: the kernel has seen every staged copy land whole.
-  // Each source's part is refilled whole: the host does not know how many rows a source sent.
-  CUDA_CHECK(cudaEventRecord(join_, stream));
-  CUDA_CHECK(cudaStreamWaitEvent(side, join_, 0));
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (r == rank_) continue;
-    CUDA_CHECK(cudaMemsetAsync(
-        static_cast<uint8_t*>(buffer_) + intranode::staged_x_offset(staging_offset_, args.staging_peer_bytes, rank_, r),
-        0xff, args.staging_peer_bytes, side));
-  }
-  for (int r = 0; r < num_ranks_; ++r)
-    if (r != rank_)
-      write_word(&static_cast<intranode::Header*>(peer_buffers_[r])->staged_released[rank_], args.staged_epoch, side);
 }
 
 void IntranodeRuntime::signal_landed(int owner, uint64_t value, cudaStream_t stream) {
   auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
-  if (!combine_signal_stream_) {
-    write_word(&theirs->staged_landed[rank_], value, stream);
-    return;
-  }
   // NOTE: the event keeps the writes in copy order; each wait takes the event's latest record.
   cudaStream_t signals = signal_streams_[owner];
   CUDA_CHECK(cudaEventRecord(copy_landed_[owner], stream));
@@ -456,7 +319,6 @@ void IntranodeRuntime::create_copy_streams(int64_t staging_bytes) {
     CUDA_CHECK(cudaEventCreateWithFlags(&copy_done_[r], cudaEventDisableTiming));
     CUDA_CHECK(cudaStreamCreateWithFlags(&signal_streams_[r], cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&copy_landed_[r], cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&signals_done_[r], cudaEventDisableTiming));
   }
 }
 
@@ -502,13 +364,6 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   args.staging_offset = staging_offset_;
   args.staging_bytes = request.staging_bytes;
   args.epoch = ++staged_epoch_;
-  args.pair_path = combine_pair_path_;
-  args.early_rows = combine_early_rows_;
-  // NOTE: without early rows the staging area is not refilled with unlanded bytes, which the owner's
-  // reads of the kernel-stored weights rely on.
-  args.sender_kernel = combine_sender_kernel_ && combine_early_rows_;
-  args.prefetch_rows = combine_prefetch_rows_;
-  args.overlap_loads = combine_overlap_loads_;
   args.status = status_device_;
   args.timeout_ns = timeout_ns_;
   // Rows received from rank r are rows [first, first + rows_from[r]) of x: they go back to r.
@@ -521,10 +376,9 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   // NOTE: one stream per owner: a sender that waits for one owner to free a slot must not hold back
   // its rows for another owner, which may need them to free its own slots.
   CUDA_CHECK(cudaEventRecord(fork_, stream));
-  if (combine_reduce_launched_first_) launch_reduction(args, request.num_sms, side);
   // NOTE: the copies are queued before the reduction is launched: the critical path is the copy, and
-  // the reduction has nothing to sum before its first rows land (twenty-fifth session: a launch
-  // before the copies held them back by about 7 us).
+  // the reduction has nothing to sum before its first rows land (a launch before the copies held them
+  // back by about 7 us).
   for (int r = 0; r < R; ++r) {
     if (r == rank_) continue;
     CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
@@ -533,13 +387,9 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
     // NOTE: the caller need not wait for the landed words: they touch only the owner's header, and the
     // next writes to it queue behind them on the same signal stream (no graph captures this combine).
-    if (combine_signal_stream_ && combine_join_signals_) {
-      CUDA_CHECK(cudaEventRecord(signals_done_[r], signal_streams_[r]));
-      CUDA_CHECK(cudaStreamWaitEvent(stream, signals_done_[r], 0));
-    }
   }
-  if (!combine_reduce_launched_first_) launch_reduction(args, request.num_sms, side);
-  if (args.sender_kernel && combine_trailing_release_) wait_for_releases(args.epoch);
+  launch_reduction(args, request.num_sms, side);
+  wait_for_releases(args.epoch);
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   // NOTE: queued last, so that nothing the host might block on stands before the copies the
   // running reduction waits for.
@@ -568,17 +418,15 @@ void IntranodeRuntime::release_staging(const intranode::StagedReduceArgs& args, 
                                        cudaStream_t side) {
   // NOTE: after the reduction, off the caller's stream: the caller waits for the sums only. The next
   // combine's reduction follows on `side`, and its senders copy once they see the release.
-  if (combine_early_rows_) {
-    // Every row and weight a source can have sent: each of this rank's tokens has at most one copy per rank.
-    const int64_t rows = std::min<int64_t>(args.num_tokens, layout.rows_capacity());
-    const int64_t weights = std::min<int64_t>(static_cast<int64_t>(args.num_tokens) * args.num_topk,
-                                              layout.rows_capacity() * intranode::kMaxTopk);
-    for (int r = 0; r < num_ranks_; ++r) {
-      if (r == rank_ || rows == 0) continue;
-      uint8_t* region = static_cast<uint8_t*>(buffer_) + layout.region_offset(rank_, r);
-      CUDA_CHECK(cudaMemsetAsync(region, 0xff, rows * layout.row_bytes, side));
-      if (weights > 0) CUDA_CHECK(cudaMemsetAsync(region + layout.weights_offset(0, 1), 0xff, weights * 4, side));
-    }
+  // Every row and weight a source can have sent: each of this rank's tokens has at most one copy per rank.
+  const int64_t rows = std::min<int64_t>(args.num_tokens, layout.rows_capacity());
+  const int64_t weights = std::min<int64_t>(static_cast<int64_t>(args.num_tokens) * args.num_topk,
+                                            layout.rows_capacity() * intranode::kMaxTopk);
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_ || rows == 0) continue;
+    uint8_t* region = static_cast<uint8_t*>(buffer_) + layout.region_offset(rank_, r);
+    CUDA_CHECK(cudaMemsetAsync(region, 0xff, rows * layout.row_bytes, side));
+    if (weights > 0) CUDA_CHECK(cudaMemsetAsync(region + layout.weights_offset(0, 1), 0xff, weights * 4, side));
   }
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_) write_word(&static_cast<intranode::Header*>(peer_buffers_[r])->staged_released[rank_], args.epoch, side);
@@ -588,26 +436,18 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
                                           const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
   using intranode::staged_word;
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
-  auto* theirs = static_cast<intranode::Header*>(peer_buffers_[owner]);
   const uint32_t epoch = args.epoch;
   const int64_t first = args.send_first[owner], rows = args.send_rows[owner];
   // The owner must have finished reading the previous combine's staging area and words (unless the
-  // previous combine's copy stream already waited for that); then this combine's block is told, by the
-  // wait here or by the reduction kernel (sender_kernel).
-  if (!args.sender_kernel)
-    wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream,
-                   {&theirs->staged_rows[rank_], staged_word(epoch, static_cast<uint32_t>(rows))},
-                   {&theirs->staged_base[rank_], staged_word(epoch, static_cast<uint32_t>(first))});
-  else if (released_epoch_waited_[owner] != epoch - 1)
+  // previous combine's copy stream already waited for that); the reduction kernel tells it where this
+  // combine's block is.
+  if (released_epoch_waited_[owner] != epoch - 1)
     wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream);
 
   uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
   const bool has_weights = args.topk_weights != nullptr && args.num_topk > 0;
+  // Weights that fit whole are stored by the reduction kernel; the others go with each piece.
   const bool weights_whole = layout.weights_fit_whole(rows, args.num_topk);
-  // NOTE: one copy for all the weights: a small copy per piece cost ~5 us of the stream each.
-  if (has_weights && weights_whole && rows > 0 && !args.sender_kernel)
-    CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(0, args.num_topk), args.topk_weights + first * args.num_topk,
-                               rows * args.num_topk * 4, cudaMemcpyDeviceToDevice, stream));
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t rows_per_piece = layout.rows_per_piece;
   for (int64_t piece = 0, done = 0; done < rows;) {
@@ -615,13 +455,9 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
     if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
       wait_for_owner(&mine->staged_freed[owner][slot],
                      staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
-    // The first round of slots (free, and summed as it lands) in copies of up to combine_copy_pieces_
-    // pieces; later pieces one per copy, each after its slot is freed.
-    int64_t pieces = 1;
-    if (piece < layout.num_slots) {
-      pieces = layout.num_slots - piece;
-      if (combine_copy_pieces_ > 0) pieces = std::min<int64_t>(pieces, combine_copy_pieces_);
-    }
+    // The first round of slots (free, and summed as it lands) in one copy; later pieces one per copy,
+    // each after its slot is freed.
+    const int64_t pieces = piece < layout.num_slots ? layout.num_slots - piece : 1;
     const int64_t count = std::min(pieces * rows_per_piece, rows - done);
     piece += pieces;
     const int64_t row = first + done;
@@ -638,8 +474,7 @@ void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& arg
   }
 }
 
-void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream,
-                                      intranode::WordWrite then_0, intranode::WordWrite then_1) {
+void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream) {
   intranode::StagingWaitArgs wait{};
   wait.word = word;
   wait.target = target;
@@ -649,8 +484,6 @@ void IntranodeRuntime::wait_for_owner(const uint64_t* word, uint64_t target, int
   wait.status = status_device_;
   wait.claim = &reinterpret_cast<intranode::Header*>(buffer_)->error_claim;
   wait.timeout_ns = timeout_ns_;
-  wait.then_write[0] = then_0;
-  wait.then_write[1] = then_1;
   intranode::launch_staging_wait(wait, stream);
 }
 

@@ -222,13 +222,9 @@ class NativeBackend(Backend):
         self._runtime = None
         self._staging_bytes = 0
         self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
-        self._copy_engine_dispatch = False
         self._side_stream: Optional[torch.cuda.Stream] = None
         self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
-        # How many of this rank's tokens (its last ones) had their rows of the last direct dispatch cross NVLink
-        # by copy engine; the SMs stored the others' rows.
-        self.last_dispatch_staged_tokens = 0
         self._ll = None
         self._ll_parity = 0
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
@@ -243,7 +239,8 @@ class NativeBackend(Backend):
             staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
             output_bytes = 0 if low_latency_mode else output_region_bytes(settings.buffer, info.num_ranks)
             self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
-                                                output_bytes)
+                                                output_bytes, settings.dispatch.direct_max_blocks,
+                                                settings.dispatch.direct_chunk_tokens)
             peers: List[Optional[Tuple[bytes, int]]] = [None] * info.num_ranks
             dist.all_gather_object(peers, (self._runtime.ipc_handle(), staging), group=info.group)
             self._runtime.connect([handle for handle, _ in peers])
@@ -251,9 +248,6 @@ class NativeBackend(Backend):
             self._staging_bytes = min(size for _, size in peers)
             if output_bytes > 0:
                 self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
-        # Copy-engine rows for the direct dispatch (buffer.dispatch_copy_engine): through the staging area.
-        self._copy_engine_dispatch = (settings.buffer.dispatch_copy_engine and self._outputs is not None
-                                      and self._staging_bytes > 0 and info.num_ranks > 1)
         if low_latency_mode:
             self._ll = self._start_low_latency(num_rdma_bytes)
         self._num_device_sms = torch.cuda.get_device_properties(info.device).multi_processor_count
@@ -304,7 +298,7 @@ class NativeBackend(Backend):
         """The intranode runtime over this rank's node (local rank, ranks_per_node ranks)."""
         L = self.info.ranks_per_node
         node, local = divmod(self.info.rank, L)
-        runtime = _C.IntranodeRuntime(local, L, num_nvl_bytes, self.settings.timeout_s)
+        runtime = _C.IntranodeRuntime(local, L, num_nvl_bytes, self.settings.timeout_s)  # no direct dispatch
         handles: List[Optional[bytes]] = [None] * self.info.num_ranks
         dist.all_gather_object(handles, runtime.ipc_handle(), group=self.info.group)
         runtime.connect(handles[node * L:(node + 1) * L])
@@ -335,7 +329,8 @@ class NativeBackend(Backend):
                              f"ranks_per_node={self.info.ranks_per_node})")
         unique_id = self._prepare_nvshmem(num_rdma_bytes)
         runtime = _C_nvshmem.InternodeRuntime(self.info.rank, self.info.num_ranks, self.info.ranks_per_node,
-                                              num_rdma_bytes, self.settings.timeout_s, unique_id)
+                                              num_rdma_bytes, self.settings.timeout_s, unique_id,
+                                              self.settings.network.force_puts)
         direct = runtime.direct_peers()
         logger.info("ep_plugin rank %d: internode mode, %d nodes x %d ranks; symmetric buffer of %d bytes; PEs over "
                     "NVLink: %s, over the network: %s", self.info.rank, self.info.num_nodes,
@@ -428,8 +423,7 @@ class NativeBackend(Backend):
                      ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                               recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                              config, direct_rows=rows if direct else None, has_room=has_room,
-                              recv_rank_offsets=recv_rank_offsets)
+                              config, direct_rows=rows if direct else None, has_room=has_room)
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
@@ -468,11 +462,6 @@ class NativeBackend(Backend):
         found = iter(tensors)
         return [None if spec is None else next(found) for spec in specs]
 
-    @property
-    def last_dispatch_copy_engine(self) -> bool:
-        """Whether some of this rank's rows of the last direct dispatch crossed NVLink by copy engine."""
-        return self.last_dispatch_staged_tokens > 0
-
     def direct_fell_back(self) -> bool:
         """Whether this rank's last direct dispatch found a rank without room in its output region and
         moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
@@ -480,15 +469,10 @@ class NativeBackend(Backend):
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True,
-                         recv_rank_offsets: Optional[torch.Tensor] = None,
-                         cached_src_idx: Optional[torch.Tensor] = None) -> None:
+                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
         # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
         self.last_dispatch_path = "rings" if direct_rows is None else "direct"
-        staged = direct_rows is not None and self._copy_engine_dispatch
-        if staged and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=self.info.device)
-        self.last_dispatch_staged_tokens = self._intranode().dispatch(
+        self._intranode().dispatch(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
             num_scales=0 if x_scales is None else x_scales.size(1),
@@ -498,11 +482,7 @@ class NativeBackend(Backend):
             recv_x_scales=_address(recv_scales), recv_topk_idx=_address(recv_topk_idx),
             recv_topk_weights=_address(recv_topk_weights), recv_src_idx=_address(recv_src_idx),
             num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream(),
-            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room,
-            staging_bytes=self._staging_bytes if staged else 0,
-            side_stream=self._side_stream.cuda_stream if staged else 0,
-            recv_rank_offsets=_address(recv_rank_offsets) if staged else 0,
-            cached_src_idx=_address(cached_src_idx) if staged else 0)
+            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room)
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
@@ -514,8 +494,7 @@ class NativeBackend(Backend):
             direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
         self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
                               handle.num_worst_tokens, handle.num_recv_device, config,
-                              direct_rows=rows if direct else None, has_room=has_room,
-                              recv_rank_offsets=handle.recv_rank_offsets, cached_src_idx=handle.recv_src_idx)
+                              direct_rows=rows if direct else None, has_room=has_room)
         return recv_x, recv_scales
 
     def combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
