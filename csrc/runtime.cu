@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "common/binding.h"
 #include "common/bulk_rows.cuh"
 #include "common/exception.cuh"
 #include "common/text.h"
@@ -50,6 +51,56 @@ std::string describe_row_layout(int64_t word) {
       << " scales, top-" << intranode::row_layout_topk(word)
       << (intranode::row_layout_weights(word) ? " with" : " without") << " weights";
   return out.str();
+}
+
+// The caller's addresses of each operation, checked before anything is launched (Python fills the Args).
+void check_addresses(const intranode::NotifyArgs& a) {
+  const bool tokens = a.num_tokens > 0;
+  check_pointer(a.is_token_in_rank, "is_token_in_rank", tokens);
+  check_pointer(a.num_tokens_per_expert, "num_tokens_per_expert");
+  check_pointer(a.topk_idx, "topk_idx", tokens);
+  check_pointer(a.send_pos, "send_pos", tokens);
+  check_pointer(a.recv_rank_offsets, "recv_rank_offsets");
+  check_pointer(a.src_num_tokens, "src_num_tokens");
+  check_pointer(a.num_recv_tokens, "num_recv_tokens");
+}
+
+void check_addresses(const intranode::DispatchArgs& a) {
+  const bool tokens = a.num_tokens > 0;
+  check_pointer(a.x, "x", tokens, 16);
+  check_pointer(a.x_scales, "x_scales", false);
+  check_pointer(a.topk_idx, "topk_idx", a.num_topk > 0 && tokens);
+  check_pointer(a.topk_weights, "topk_weights", false);
+  check_pointer(a.send_pos, "send_pos", tokens);
+  check_pointer(a.recv_x, "recv_x", false, 16);
+  check_pointer(a.recv_x_scales, "recv_x_scales", a.num_scales > 0);
+  check_pointer(a.recv_topk_idx, "recv_topk_idx", false);
+  check_pointer(a.recv_topk_weights, "recv_topk_weights", false);
+  check_pointer(a.recv_src_idx, "recv_src_idx", false);
+  check_pointer(a.num_recv_tokens, "num_recv_tokens");
+}
+
+void check_addresses(const intranode::CombineArgs& a) {
+  check_pointer(a.x, "x", false, 16);
+  check_pointer(a.topk_weights, "topk_weights", false);
+  check_pointer(a.recv_src_idx, "recv_src_idx", false);
+  check_pointer(a.recv_rank_offsets, "recv_rank_offsets");
+  check_pointer(a.src_num_tokens, "src_num_tokens");
+  check_pointer(a.send_pos, "send_pos", a.num_tokens > 0);
+  check_pointer(a.bias_0, "bias_0", false, 16);
+  check_pointer(a.bias_1, "bias_1", false, 16);
+  check_pointer(a.combined_x, "combined_x", a.num_tokens > 0, 16);
+  check_pointer(a.combined_topk_weights, "combined_topk_weights", false);
+}
+
+void check_addresses(const intranode::StagedReduceArgs& a) {
+  check_pointer(a.x, "x", false, 16);
+  check_pointer(a.topk_weights, "topk_weights", false);
+  check_pointer(a.send_pos, "send_pos", a.num_tokens > 0);
+  check_pointer(a.bias_0, "bias_0", false, 16);
+  check_pointer(a.bias_1, "bias_1", false, 16);
+  check_pointer(a.combined_x, "combined_x", a.num_tokens > 0, 16);
+  check_pointer(a.combined_topk_weights, "combined_topk_weights", false);
 }
 
 }  // namespace
@@ -204,6 +255,7 @@ void IntranodeRuntime::require_buffer_fits(int64_t needed, const char* op) const
 
 void IntranodeRuntime::notify(intranode::NotifyArgs args, cudaStream_t stream) {
   require_connected();
+  check_addresses(args);
   args.peer_buffers = peer_buffers_device_;
   args.rank = rank_;
   args.num_ranks = num_ranks_;
@@ -227,6 +279,7 @@ void IntranodeRuntime::fill_dispatch_args(intranode::DispatchArgs& args) const {
 
 void IntranodeRuntime::dispatch(intranode::DispatchArgs args, cudaStream_t stream) {
   require_connected();
+  check_addresses(args);
   fill_dispatch_args(args);
   require_rings_fit(args);
   intranode::launch_dispatch(args, stream);
@@ -257,6 +310,7 @@ void IntranodeRuntime::direct_dispatch(intranode::DispatchArgs args, int64_t num
   require_connected();
   EP_CHECK_ARG(output_bytes_ > 0, "direct dispatch needs an output region (buffer.dispatch_output_bytes > 0)");
   EP_CHECK_ARG(num_recv_rows >= 0, "num_recv_rows must be >= 0, got " << num_recv_rows);
+  check_addresses(args);
   fill_dispatch_args(args);
   require_rings_fit(args);  // for a fallback
   args.direct_has_room = has_room;
@@ -294,6 +348,7 @@ bool IntranodeRuntime::direct_fell_back() const {
 
 void IntranodeRuntime::combine(intranode::CombineArgs args, cudaStream_t stream) {
   require_connected();
+  check_addresses(args);
   args.peer_buffers = peer_buffers_device_;
   args.rank = rank_;
   args.num_ranks = num_ranks_;
@@ -353,6 +408,7 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   require_connected();
   const int R = num_ranks_;
   intranode::StagedReduceArgs& args = request.reduce;
+  check_addresses(args);
   EP_CHECK_ARG(static_cast<int>(request.rows_from.size()) == R, "rows_from needs one count per rank");
   EP_CHECK_ARG(request.staging_bytes > 0 && request.staging_bytes <= staging_bytes_,
                "staging_bytes must be in (0, " << staging_bytes_ << "], got " << request.staging_bytes);

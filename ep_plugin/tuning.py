@@ -64,9 +64,8 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
 
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
-# combine (no staging area) at more ranks, where the copy engines were slower (4x H200, BF16, 24 SMs:
-# 981.1-1038.7 us against 963.1, and 780.2 with the SM combine's 2 / 64 rings; twenty-eighth and
-# twenty-ninth sessions).
+# combine (no staging area) at more ranks, where the copy engines are slower (4x H200, BF16, 24 SMs:
+# 981.1-1038.7 us against the SM combine's 780.2 with its 2 / 64 rings; docs/performance.md).
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 
@@ -96,7 +95,7 @@ def staging_bytes(buffer, num_ranks: int) -> int:
 # `buffer.dispatch_output_bytes: auto`: the direct dispatch at 1 to 4 ranks, with room for two dispatches of
 # 4096 tokens per rank from every rank (at least 2), alive at once: 16384 received rows of `max_hidden` at 1
 # and 2 ranks, 32768 at 4. Measured faster than the rings at 2 ranks (2x H200: 177 against 234 us, BF16
-# cached) and at 4 (4x H200, twenty-ninth session: 466 against 596 us); none at more ranks, where it has not
+# cached) and at 4 (4x H200: 466 against 596 us); none at more ranks, where it has not
 # run on GPUs of their own. Dispatches that do not fit take the rings.
 AUTO_OUTPUT_TOKENS_PER_RANK = 4096
 AUTO_OUTPUT_DISPATCHES = 2
@@ -222,7 +221,7 @@ class Config:
 
 def _default_config(num_sms: int, num_ranks: int) -> Config:
     # A sub-ring holds two publication chunks, so senders keep writing while receivers drain. Small
-    # rings measured fastest at 2 ranks (4/128 against 8/256 and 16/512: docs/benchmarks.md, ring sizes).
+    # rings measured fastest at 2 ranks (4/128 against 8/256 and 16/512: docs/performance.md).
     if num_ranks <= 2:
         return Config(num_sms, 4, 128, 6, 128)
     if num_ranks <= NUM_MAX_NVL_PEERS:
@@ -235,7 +234,7 @@ def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:
     return _default_config(num_sms, num_ranks)
 
 
-# The SM combine at 3-8 ranks: sub-rings of 64 tokens published every 2 (4x H200, twenty-ninth session, BF16,
+# The SM combine at 3-8 ranks: sub-rings of 64 tokens published every 2 (4x H200, BF16,
 # 24 SMs: 784.0 us against 961.5 with 6 / 128; 3 / 96 836.7, 4 / 128 921.5, 4 / 64 1002.7, 8 / 256 1140.7).
 COMBINE_SEND_TOKENS_MANY_RANKS = 2
 COMBINE_RECV_TOKENS_MANY_RANKS = 64

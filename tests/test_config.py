@@ -399,7 +399,7 @@ def test_yaml_tuning_is_what_dispatch_and_combine_use():
 
 def test_default_ring_tuning_by_rank_count():
     """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 2 / 64 at 3-8 ranks
-    (measured at 4, docs/benchmarks.md, twenty-ninth session); dispatch and internode keep theirs."""
+    (measured at 4, docs/performance.md); dispatch and internode keep theirs."""
     from ep_plugin import Buffer
     from ep_plugin.tuning import default_combine_config, default_dispatch_config
 

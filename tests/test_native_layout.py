@@ -65,3 +65,20 @@ def test_default_buffer_for_deepseek_sizes_stays_small():
     # 7168 bf16 hidden, 24 SMs, two ranks: tens of MB, not a GB.
     size = Config(24, 8, 64).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert size < 32 << 20
+
+
+@pytest.mark.parametrize("name", ["NotifyArgs", "DispatchArgs", "CombineArgs", "StagedReduceArgs"])
+def test_args_structs_start_empty_and_keep_what_python_sets(name):
+    """Python fills the kernels' Args structs field by field: integers as they are, tensors as addresses."""
+    args = getattr(_C, name)()
+    fields = [f for f in dir(args) if not f.startswith("_")]
+    assert fields and all(getattr(args, f) == 0 for f in fields), "a new Args struct must be all zeros"
+    for value, field in enumerate(fields, start=1):
+        setattr(args, field, value * 256)
+    assert [getattr(args, f) for f in fields] == [value * 256 for value in range(1, len(fields) + 1)]
+
+
+def test_row_layout_packs_what_notify_compares():
+    word = _C.pack_row_layout(14336, 56, 8, True)
+    assert word >> 32 == 14336 and (word >> 8) & 0xFFFFFF == 56 and (word >> 1) & 0x7F == 8 and word & 1 == 1
+    assert _C.pack_row_layout(14336, 56, 8, False) == word - 1

@@ -398,15 +398,19 @@ class NativeBackend(Backend):
             self._notify_tag += 1
             host_tag = self._notify_tag
         stream = self._stream()
-        self._intranode().notify(is_token_in_rank=_address(is_token_in_rank),
-                                 num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=_address(topk_idx),
-                                 num_tokens=T, num_topk=K, num_experts=num_experts, expert_alignment=expert_alignment,
-                                 num_worst_tokens=num_worst_tokens, row_bytes=x.size(1) * x.element_size(),
-                                 num_scales=0 if x_scales is None else x_scales.size(1),
-                                 has_weights=topk_weights is not None, send_pos=_address(send_pos),
-                                 recv_rank_offsets=_address(recv_rank_offsets),
-                                 src_num_tokens=_address(src_num_tokens), num_recv_tokens=_address(num_recv_device),
-                                 host_tag=host_tag, stream=stream)
+        args = _C.NotifyArgs()
+        args.is_token_in_rank = _address(is_token_in_rank)
+        args.num_tokens_per_expert = _address(num_tokens_per_expert)
+        args.topk_idx = _address(topk_idx)
+        args.num_tokens, args.num_topk, args.num_experts = T, K, num_experts
+        args.expert_alignment, args.num_worst_tokens, args.host_tag = expert_alignment, num_worst_tokens, host_tag
+        args.row_layout = _C.pack_row_layout(x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1),
+                                             K, topk_weights is not None)
+        args.send_pos = _address(send_pos)
+        args.recv_rank_offsets = _address(recv_rank_offsets)
+        args.src_num_tokens = _address(src_num_tokens)
+        args.num_recv_tokens = _address(num_recv_device)
+        self._intranode().notify(args, stream)
         if num_worst_tokens == 0:
             num_recv, per_rank, per_expert = self._intranode().wait_notify(
                 tag=host_tag, num_local_experts=num_local_experts, stream=stream)
@@ -472,17 +476,24 @@ class NativeBackend(Backend):
                          config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
         # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
         self.last_dispatch_path = "rings" if direct_rows is None else "direct"
-        self._intranode().dispatch(
-            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=x.size(0), row_bytes=x.size(1) * x.element_size(),
-            num_scales=0 if x_scales is None else x_scales.size(1),
-            num_topk=0 if topk_idx is None else topk_idx.size(1), num_local_experts=num_local_experts,
-            x=_address(x), x_scales=_address(x_scales), topk_idx=_address(topk_idx),
-            topk_weights=_address(topk_weights), send_pos=_address(send_pos), recv_x=_address(recv_x),
-            recv_x_scales=_address(recv_scales), recv_topk_idx=_address(recv_topk_idx),
-            recv_topk_weights=_address(recv_topk_weights), recv_src_idx=_address(recv_src_idx),
-            num_worst_tokens=num_worst_tokens, num_recv_tokens=_address(num_recv_device), stream=self._stream(),
-            direct=direct_rows is not None, num_recv_rows=direct_rows or 0, has_room=has_room)
+        args = _C.DispatchArgs()
+        args.num_channels = config.num_channels
+        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
+        args.send_chunk = config.num_max_nvl_chunked_send_tokens
+        args.num_tokens, args.row_bytes = x.size(0), x.size(1) * x.element_size()
+        args.num_scales = 0 if x_scales is None else x_scales.size(1)
+        args.num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
+        args.x, args.x_scales = _address(x), _address(x_scales)
+        args.topk_idx, args.topk_weights = _address(topk_idx), _address(topk_weights)
+        args.send_pos = _address(send_pos)
+        args.recv_x, args.recv_x_scales = _address(recv_x), _address(recv_scales)
+        args.recv_topk_idx, args.recv_topk_weights = _address(recv_topk_idx), _address(recv_topk_weights)
+        args.recv_src_idx, args.num_recv_tokens = _address(recv_src_idx), _address(num_recv_device)
+        if direct_rows is None:
+            self._intranode().dispatch(args, self._stream())
+        else:
+            self._intranode().direct_dispatch(args, direct_rows, has_room, self._stream())
 
     def cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         if isinstance(handle, InternodeHandle):
@@ -509,15 +520,26 @@ class NativeBackend(Backend):
             self.last_combine_path = "copy_engine"
             return combined_x, combined_weights
         self.last_combine_path = "sm"
-        self._intranode().combine(
-            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=T, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
-            x=_address(x), topk_weights=_address(topk_weights), recv_src_idx=_address(handle.recv_src_idx),
-            recv_rank_offsets=_address(handle.recv_rank_offsets), src_num_tokens=_address(handle.src_num_tokens),
-            send_pos=_address(handle.send_pos), bias_0=_address(bias_0), bias_1=_address(bias_1),
-            combined_x=_address(combined_x), combined_topk_weights=_address(combined_weights),
-            stream=self._stream())
+        self._sm_combine(x, topk_weights, handle, bias_0, bias_1, combined_x, combined_weights, config)
         return combined_x, combined_weights
+
+    def _sm_combine(self, x, topk_weights, handle: NativeHandle, bias_0, bias_1, combined_x, combined_weights,
+                    config: Config) -> None:
+        """The combine kernel over the rings: `combined_x[t]` ([T, hidden] bf16, T = handle.num_tokens) is
+        the sum of the rows of `x` ([rows, hidden] bf16, as dispatched) that came from token t, plus the
+        biases; `combined_weights` ([T, K] fp32 or None) the same for `topk_weights`."""
+        args = _C.CombineArgs()
+        args.num_channels = config.num_channels
+        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
+        args.send_chunk = config.num_max_nvl_chunked_send_tokens
+        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
+        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        args.x, args.topk_weights = _address(x), _address(topk_weights)
+        args.recv_src_idx, args.recv_rank_offsets = _address(handle.recv_src_idx), _address(handle.recv_rank_offsets)
+        args.src_num_tokens, args.send_pos = _address(handle.src_num_tokens), _address(handle.send_pos)
+        args.bias_0, args.bias_1 = _address(bias_0), _address(bias_1)
+        args.combined_x, args.combined_topk_weights = _address(combined_x), _address(combined_weights)
+        self._intranode().combine(args, self._stream())
 
     def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
         """Whether this combine goes through the copy engines (the same answer on every rank).
@@ -537,13 +559,14 @@ class NativeBackend(Backend):
         # The reduction uses the config's SMs but leaves one per peer free: each copy stream waits for
         # its owner in a one-thread kernel beside the reduction. The copies use no SM.
         num_sms = min(config.num_sms, self._num_device_sms - (self.info.num_ranks - 1))
-        self._intranode().staged_combine(
-            num_tokens=handle.num_tokens, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
-            x=_address(x), topk_weights=_address(topk_weights), send_pos=_address(handle.send_pos),
-            bias_0=_address(bias_0), bias_1=_address(bias_1), combined_x=_address(combined_x),
-            combined_topk_weights=_address(combined_weights), rows_from=handle.num_recv_per_rank,
-            staging_bytes=self._staging_bytes, num_sms=num_sms, stream=self._stream(),
-            side_stream=self._side_stream.cuda_stream)
+        args = _C.StagedReduceArgs()
+        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
+        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        args.x, args.topk_weights, args.send_pos = _address(x), _address(topk_weights), _address(handle.send_pos)
+        args.bias_0, args.bias_1 = _address(bias_0), _address(bias_1)
+        args.combined_x, args.combined_topk_weights = _address(combined_x), _address(combined_weights)
+        self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
+                                         self._side_stream.cuda_stream)
 
     # ---- internode normal mode (network leg + intranode stage) ------------------------------------
     def _check_internode_sms(self, num_channels: int) -> None:
@@ -778,13 +801,7 @@ class NativeBackend(Backend):
         K = 0 if topk_weights is None else topk_weights.size(1)
         partial_x = self._empty(F, H, dtype=torch.bfloat16)
         partial_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
-        self._intranode().combine(
-            num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
-            send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=F, hidden=H, num_topk=K, x=_address(x),
-            topk_weights=_address(topk_weights), recv_src_idx=_address(node.recv_src_idx),
-            recv_rank_offsets=_address(node.recv_rank_offsets), src_num_tokens=_address(node.src_num_tokens),
-            send_pos=_address(node.send_pos), bias_0=0, bias_1=0, combined_x=_address(partial_x),
-            combined_topk_weights=_address(partial_weights), stream=self._stream())
+        self._sm_combine(x, topk_weights, node, None, None, partial_x, partial_weights, config)
         return partial_x, partial_weights
 
     def handle_num_recv_rows(self, handle: NativeHandle) -> int:
