@@ -134,6 +134,8 @@ class InternodeRuntime {
  private:
   void require_alive() const;
   internode::Common common(int kind) const;
+  // Throws unless `num_blocks` divides the layout's channels and `send_chunk` is positive.
+  void check_ring_use(const internode::InternodeLayout& layout, int num_blocks, int send_chunk) const;
   void check_layout(const internode::InternodeLayout& layout, const char* op) const;
   std::string describe_device_error() const;
 

@@ -1,4 +1,5 @@
-// IntranodeRuntime: one rank's NVLink buffer, its peers' mappings and the host side of every wait.
+// IntranodeRuntime: one rank's NVLink buffer, its peers' mappings and the host side of every wait
+// (runtime.cu; the copy-engine combine's part in staged_combine.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -92,6 +93,11 @@ class IntranodeRuntime {
   // The dispatch's runtime-owned fields (buffers, rank, status, timeout, tuning).
   void fill_dispatch_args(intranode::DispatchArgs& args) const;
   std::string describe_device_error() const;
+  // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
+  // error later surfaces in the user's program.
+  void watch_for_device_errors();
+
+  // ---- the copy-engine combine (staged_combine.cu) ----
   // Loads and runs once the copy-engine combine's kernels, before any reduction can spin for them.
   void preload_staged_combine();
   // Writes a 64-bit header word (an owner's, through its mapping) from the stream, after everything
@@ -106,7 +112,7 @@ class IntranodeRuntime {
   void wait_for_releases(uint32_t epoch);
   // The owner's reduction on `side`, after the combine's fork; join_ marks its end.
   void launch_reduction(const intranode::StagedReduceArgs& args, int num_sms, cudaStream_t side);
-  // After the owner's reduction: refill its staging area with unlanded bytes (early rows) and tell
+  // After the owner's reduction: refill its staging area with unlanded bytes and tell
   // every sender that the area is free for the next combine.
   void release_staging(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                        cudaStream_t side);
@@ -116,9 +122,6 @@ class IntranodeRuntime {
   void create_copy_streams(int64_t staging_bytes);
   // A one-thread kernel on `stream` that waits until *word >= target (the owner's progress).
   void wait_for_owner(const uint64_t* word, uint64_t target, int owner, int slot, cudaStream_t stream);
-  // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
-  // error later surfaces in the user's program.
-  void watch_for_device_errors();
 
   int rank_, num_ranks_, device_;
   int64_t num_nvl_bytes_;

@@ -85,8 +85,9 @@ def test_native_code_reads_no_environment_variable():
     for path in sources:
         with open(path) as handle:
             text = handle.read()
-        found += [f"{os.path.relpath(path, ROOT)}: {m}" for m in re.findall(r"\bgetenv\s*\(|\bEP_PLUGIN_[A-Z0-9_]+", text)
-                  if m != "EP_PLUGIN_HAS_BULK_COPIES"]  # set by common/ptx.cuh from the target architecture
+        names = re.findall(r"\bgetenv\s*\(|\bEP_PLUGIN_[A-Z0-9_]+", text)
+        # EP_PLUGIN_HAS_BULK_COPIES: set by common/ptx.cuh from the target architecture.
+        found += [f"{os.path.relpath(path, ROOT)}: {m}" for m in names if m != "EP_PLUGIN_HAS_BULK_COPIES"]
     assert not found, f"csrc reads the environment or names a switch: {found}"
 
 

@@ -7,8 +7,9 @@ GPU part (skipped without 2 GPUs or without the NVSHMEM module): one host emulat
 with `topology: {ranks_per_node: 1}` (2 GPUs = 2 nodes x 1 GPU), so the network leg runs between
 "nodes" through NVSHMEM (NVLink underneath: direct stores into the peer's rings, and, with
 `network.force_puts: true`, the staged puts with signal that a real network takes). 4-GPU variants
-(2 nodes x 2 GPUs, 4 x 1) run where 4 GPUs exist. Every case draws fresh random data; routing metadata and copied payloads must be
-bit-identical to the reference, combine sums equal up to fp32 summation order.
+(2 nodes x 2 GPUs, 4 x 1) run where 4 GPUs exist. Every case draws fresh random data; routing
+metadata and copied payloads must be bit-identical to the reference, combine sums equal up to fp32
+summation order.
 
 Run on the GPU machine (2x H200):
     python3 -m pytest -q -x tests/test_native_internode.py

@@ -67,15 +67,23 @@ def test_default_buffer_for_deepseek_sizes_stays_small():
     assert size < 32 << 20
 
 
-@pytest.mark.parametrize("name", ["NotifyArgs", "DispatchArgs", "CombineArgs", "StagedReduceArgs"])
-def test_args_structs_start_empty_and_keep_what_python_sets(name):
+ARGS_STRUCTS = [("_C", name) for name in ("NotifyArgs", "DispatchArgs", "CombineArgs", "StagedReduceArgs")] + \
+    [("_C_nvshmem", name) for name in ("DispatchArgs", "CombineArgs", "InternodeNotifyArgs", "InternodeDispatchArgs",
+                                       "InternodeCombineArgs")]
+
+
+@pytest.mark.parametrize("module,name", ARGS_STRUCTS, ids=[f"{m}.{n}" for m, n in ARGS_STRUCTS])
+def test_args_structs_start_empty_and_keep_what_python_sets(module, name):
     """Python fills the kernels' Args structs field by field: integers as they are, tensors as addresses."""
-    args = getattr(_C, name)()
+    extension = pytest.importorskip(f"ep_plugin.{module}", reason=f"ep_plugin.{module} is not built here")
+    args = getattr(extension, name)()
     fields = [f for f in dir(args) if not f.startswith("_")]
     assert fields and all(getattr(args, f) == 0 for f in fields), "a new Args struct must be all zeros"
-    for value, field in enumerate(fields, start=1):
-        setattr(args, field, value * 256)
-    assert [getattr(args, f) for f in fields] == [value * 256 for value in range(1, len(fields) + 1)]
+    # Flags take True; every other field a distinct multiple of 256 (an aligned address or a count).
+    wanted = {f: True if isinstance(getattr(args, f), bool) else 256 * i for i, f in enumerate(fields, start=1)}
+    for field, value in wanted.items():
+        setattr(args, field, value)
+    assert {f: getattr(args, f) for f in fields} == wanted
 
 
 def test_row_layout_packs_what_notify_compares():

@@ -2,7 +2,7 @@
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, on one stream
-// per owner; after each copy a signal stream counts the rows landed in o's header (runtime.cu). No
+// per owner; after each copy a signal stream counts the rows landed in o's header (staged_combine.cu). No
 // SM moves a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
 // (send_to_owners: the words that tell o where its rows are, and its top-k weights) and then, as
 // owner, takes tokens in order warp by warp, sums each token's staged copies with its own copy as
