@@ -486,7 +486,7 @@ def low_latency_worker(rank: int, R: int, group, seed: int, partials: str = "bf1
 
 @pytest.fixture(scope="module")
 def launch():
-    # NOTE: well under the GPU session's 300 s for this file (benchmarks/gpu_session.sh, stage ll): a
+    # NOTE: well under the 300 s a GPU run gives this file: a
     # rank left waiting in NCCL after its peer trapped must fail this launch, not get pytest killed.
     return parallel_launch(RANKS, low_latency_worker, BASE_SEED, timeout_s=200)
 
