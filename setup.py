@@ -10,7 +10,7 @@ Environment:
     CUDAHOSTCXX                host compiler for nvcc
     EP_PLUGIN_SKIP_CUDA=1      install the pure-Python package only
     MAX_JOBS                   parallel nvcc processes
-    EP_PLUGIN_NVCC_FLAGS       extra nvcc flags, e.g. -DEP_PLUGIN_PHASE_PROFILE (a diagnostic build)
+    EP_PLUGIN_NVCC_FLAGS       extra nvcc flags, e.g. "-Xptxas -v"
     NVSHMEM_DIR                NVSHMEM (include/, lib/) for `ep_plugin._C_nvshmem`, the low-latency kernels
                                (default: the nvidia-nvshmem-cu13 or -cu12 wheel; without NVSHMEM that module
                                is skipped and everything else builds as before)
@@ -196,7 +196,7 @@ def extensions() -> list[Extension]:
     # Low-latency and internode kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
     kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
     sources = [s for s in kernels if not Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
-    sources += ["csrc/runtime.cu", "csrc/output_region.cpp", "csrc/python_api.cpp"]
+    sources += ["csrc/runtime.cu", "csrc/staged_combine.cu", "csrc/output_region.cpp", "csrc/python_api.cpp"]
     return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
 
 

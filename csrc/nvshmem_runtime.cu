@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/binding.h"
 #include "common/exception.cuh"
 #include "common/text.h"
 
@@ -227,7 +228,20 @@ void LowLatencyRuntime::check_layout(const LowLatencyLayout& layout, const char*
 
 void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream) {
   require_alive();
+  args.layout.num_ranks = num_ranks_;
   check_layout(args.layout, "low_latency_dispatch");
+  const bool send = (args.phases & low_latency::kPhaseSend) != 0, tokens = send && args.num_tokens > 0;
+  EP_CHECK_ARG(args.phases != 0 && (args.phases & ~(low_latency::kPhaseSend | low_latency::kPhaseRecv)) == 0,
+               "low_latency_dispatch: phases must be PHASE_SEND, PHASE_RECV or both, got " << args.phases);
+  check_pointer(args.x, "x", tokens, 16);
+  check_pointer(args.topk_idx, "topk_idx", tokens);
+  check_pointer(args.recv_x, "recv_x", true, 16);
+  check_pointer(args.recv_scales, "recv_scales", args.use_fp8, 4);
+  check_pointer(args.recv_count, "recv_count");
+  check_pointer(args.recv_src_info, "recv_src_info");
+  check_pointer(args.recv_layout, "recv_layout");
+  check_pointer(args.cumulative_stats, "cumulative_local_expert_recv_stats", false);
+  check_pointer(args.topk_weights, "topk_weights", args.carry_route && tokens);
   EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
   EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
                "x has " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "
@@ -249,7 +263,17 @@ void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cud
 
 void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaStream_t stream) {
   require_alive();
+  args.layout.num_ranks = num_ranks_;
   check_layout(args.layout, "low_latency_combine");
+  const bool recv = (args.phases & low_latency::kPhaseRecv) != 0, tokens = recv && args.num_tokens > 0;
+  EP_CHECK_ARG(args.phases != 0 && (args.phases & ~(low_latency::kPhaseSend | low_latency::kPhaseRecv)) == 0,
+               "low_latency_combine: phases must be PHASE_SEND, PHASE_RECV or both, got " << args.phases);
+  check_pointer(args.x, "x", true, 16);
+  check_pointer(args.recv_src_info, "handle.recv_src_info");
+  check_pointer(args.recv_layout, "handle.recv_layout");
+  check_pointer(args.topk_idx, "topk_idx", tokens);
+  check_pointer(args.topk_weights, "topk_weights", tokens);
+  check_pointer(args.out, "out", tokens, 16);
   EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
   EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
                "combine for " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "
@@ -336,8 +360,8 @@ void LowLatencyRuntime::check_device_error() const {
 
 // ---- InternodeRuntime ------------------------------------------------------------------------------
 InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes,
-                                   double timeout_s, const std::string& unique_id)
-    : num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
+                                   double timeout_s, const std::string& unique_id, bool force_puts)
+    : puts_only_(force_puts), num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s) {
   EP_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank " << rank << " out of range for " << num_ranks << " ranks");
   EP_CHECK_ARG(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
                "ranks_per_node (" << ranks_per_node << ") must divide the " << num_ranks << " ranks of the group");
@@ -355,10 +379,6 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int ranks_per_node, 
   place_.node = rank / ranks_per_node;
   place_.local = rank % ranks_per_node;
   place_.num_nodes = num_ranks / ranks_per_node;
-  // Diagnostic: the network leg's RDMA code path (staged puts with signal) even between ranks that
-  // NVLink joins, so an NVLink-only machine runs it too.
-  const char* puts = std::getenv("EP_PLUGIN_NETWORK_PUTS");
-  puts_only_ = puts != nullptr && std::string(puts) == "1";
 
   memory_.open(rank, num_ranks, num_rdma_bytes, internode::kHeaderBytes, unique_id, "an internode Buffer");
 }
@@ -396,6 +416,12 @@ internode::Common InternodeRuntime::common(int kind) const {
   return c;
 }
 
+void InternodeRuntime::check_ring_use(const internode::InternodeLayout& layout, int num_blocks, int send_chunk) const {
+  EP_CHECK_ARG(num_blocks >= 1 && layout.num_channels % num_blocks == 0,
+               "num_blocks must divide num_channels (" << layout.num_channels << "), got " << num_blocks);
+  EP_CHECK_ARG(send_chunk >= 1, "num_max_rdma_chunked_send_tokens must be positive, got " << send_chunk);
+}
+
 void InternodeRuntime::check_layout(const internode::InternodeLayout& layout, const char* op) const {
   EP_CHECK_ARG(layout.num_nodes == place_.num_nodes,
                op << ": the layout is for " << layout.num_nodes << " nodes, the buffer for " << place_.num_nodes);
@@ -414,6 +440,10 @@ void InternodeRuntime::notify(internode::NotifyArgs args, cudaStream_t stream) {
   require_alive();
   EP_CHECK_ARG(args.num_tokens >= 0, "num_tokens must be non-negative");
   EP_CHECK_ARG(args.host_tag >= 0 && args.capacity >= 0, "bad notify tag or capacity");
+  check_pointer(args.is_token_in_node, "is_token_in_node", args.num_tokens > 0);
+  check_pointer(args.send_counts, "send_counts");
+  check_pointer(args.recv_offsets, "recv_offsets");
+  check_pointer(args.num_recv, "num_recv");
   args.c = common(internode::kKindDispatch);
   memory_.status_host->bad_input_rank = -1;  // the previous notify has finished (its result was awaited)
   internode::launch_notify(args, stream);
@@ -455,14 +485,55 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
 
 void InternodeRuntime::dispatch(internode::DispatchArgs args, cudaStream_t stream) {
   require_alive();
+  args.layout.num_nodes = place_.num_nodes;
   check_layout(args.layout, "internode dispatch");
+  check_ring_use(args.layout, args.num_blocks, args.send_chunk);
+  const internode::DispatchSlot& slot = args.slot;
+  EP_CHECK_ARG(slot.row_bytes > 0 && slot.row_bytes % 16 == 0,
+               "rows must be a positive multiple of 16 bytes, got " << slot.row_bytes);
+  EP_CHECK_ARG(slot.num_scales >= 0, "num_scales must be non-negative");
+  EP_CHECK_ARG(slot.num_topk >= 0 && slot.num_topk <= internode::kMaxTopk,
+               "top-k must be in [0, " << internode::kMaxTopk << "], got " << slot.num_topk);
+  EP_CHECK_ARG(slot.bytes() <= args.layout.slot_bytes, "slot_bytes " << args.layout.slot_bytes << " < " << slot.bytes());
+  EP_CHECK_ARG(args.capacity >= 0, "capacity must be non-negative");
+  const bool send = args.num_tokens > 0, recv = args.capacity > 0;
+  check_pointer(args.x, "x", send, 16);
+  check_pointer(args.x_scales, "x_scales", send && slot.num_scales > 0);
+  check_pointer(args.topk_idx, "topk_idx", send && slot.num_topk > 0);
+  check_pointer(args.topk_weights, "topk_weights", send && slot.num_topk > 0 && slot.has_weights);
+  check_pointer(args.is_token_in_node, "is_token_in_node", send);
+  check_pointer(args.send_pos, "send_pos", false);
+  check_pointer(args.recv_offsets, "recv_offsets");
+  check_pointer(args.recv_x, "recv_x", recv, 16);
+  check_pointer(args.recv_x_scales, "recv_x_scales", recv && slot.num_scales > 0);
+  check_pointer(args.recv_topk_idx, "recv_topk_idx", false);
+  check_pointer(args.recv_topk_weights, "recv_topk_weights", false);
+  check_pointer(args.recv_src_idx, "recv_src_idx", false);
   args.c = common(internode::kKindDispatch);
   internode::launch_dispatch(args, stream);
 }
 
 void InternodeRuntime::combine(internode::CombineArgs args, cudaStream_t stream) {
   require_alive();
+  args.layout.num_nodes = place_.num_nodes;
   check_layout(args.layout, "internode combine");
+  check_ring_use(args.layout, args.num_blocks, args.send_chunk);
+  const int hidden = args.slot.hidden, num_topk = args.slot.num_topk;
+  EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8, got " << hidden);
+  EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk, "top-k must be in [0, " << internode::kMaxTopk << "]");
+  EP_CHECK_ARG(args.slot.bytes() <= args.layout.slot_bytes,
+               "slot_bytes " << args.layout.slot_bytes << " < " << args.slot.bytes());
+  const bool forward = args.capacity > 0, tokens = args.num_tokens > 0;
+  check_pointer(args.partial_x, "partial_x", forward, 16);
+  check_pointer(args.partial_weights, "partial_weights", forward && num_topk > 0);
+  check_pointer(args.recv_offsets, "handle.recv_offsets");
+  check_pointer(args.is_token_in_node, "handle.is_token_in_node", tokens);
+  check_pointer(args.send_pos, "handle.send_pos", tokens);
+  check_pointer(args.send_counts, "handle.send_counts");
+  check_pointer(args.bias_0, "bias_0", false, 16);
+  check_pointer(args.bias_1, "bias_1", false, 16);
+  check_pointer(args.combined_x, "combined_x", tokens, 16);
+  check_pointer(args.combined_weights, "combined_topk_weights", false);
   args.c = common(internode::kKindCombine);
   internode::launch_combine(args, stream);
 }

@@ -104,9 +104,10 @@ class LowLatencyRuntime {
 class InternodeRuntime {
  public:
   // Collective over the group's ranks: initialises NVSHMEM if needed, allocates `num_rdma_bytes`
-  // of symmetric memory and zeroes its header.
+  // of symmetric memory and zeroes its header. `force_puts`: the network leg stages and puts even to
+  // peers NVLink reaches, so that an NVLink-only machine runs the RDMA code path (network.force_puts).
   InternodeRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, double timeout_s,
-                   const std::string& unique_id);
+                   const std::string& unique_id, bool force_puts = false);
   ~InternodeRuntime();
   InternodeRuntime(const InternodeRuntime&) = delete;
   InternodeRuntime& operator=(const InternodeRuntime&) = delete;
@@ -115,7 +116,7 @@ class InternodeRuntime {
   int num_nodes() const { return place_.num_nodes; }
   int64_t num_rdma_bytes() const { return num_rdma_bytes_; }
   std::vector<bool> direct_peers() const;
-  // Whether the network leg stages and puts even to peers NVLink reaches (EP_PLUGIN_NETWORK_PUTS=1).
+  // Whether the network leg stages and puts even to peers NVLink reaches (network.force_puts).
   bool puts_only() const { return puts_only_; }
 
   // Fill the runtime-owned fields of the Args and launch. `notify` resets the host-visible result
@@ -133,11 +134,13 @@ class InternodeRuntime {
  private:
   void require_alive() const;
   internode::Common common(int kind) const;
+  // Throws unless `num_blocks` divides the layout's channels and `send_chunk` is positive.
+  void check_ring_use(const internode::InternodeLayout& layout, int num_blocks, int send_chunk) const;
   void check_layout(const internode::InternodeLayout& layout, const char* op) const;
   std::string describe_device_error() const;
 
   internode::Place place_{};
-  bool puts_only_ = false;  // EP_PLUGIN_NETWORK_PUTS=1
+  bool puts_only_;  // network.force_puts
   int num_ranks_;
   int64_t num_rdma_bytes_;
   double timeout_s_;

@@ -1,8 +1,9 @@
 // ep_plugin._C: a thin pybind11 face over the framework-free core.
 //
-// Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends/native.py
-// checks dtypes, shapes and devices and allocates outputs with torch. Here each address is checked
-// for presence and alignment, naming the argument, before anything is launched.
+// Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends checks dtypes,
+// shapes and devices and allocates outputs with torch. Each operation takes its Args struct
+// (kernels/api.cuh), bound here field by field; the runtime checks every address for presence and
+// alignment, naming the argument, before anything is launched.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -52,116 +53,95 @@ void gather_sum_rows(uintptr_t rows, uintptr_t index, uintptr_t out, int64_t num
   launch_gather_sum_rows(args, num_sms, as_stream(stream));
 }
 
-void runtime_notify(IntranodeRuntime& runtime, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_expert,
-                    uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int expert_alignment,
-                    int num_worst_tokens, int row_bytes, int num_scales, bool has_weights, uintptr_t send_pos,
-                    uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t num_recv_tokens, int host_tag,
-                    uintptr_t stream) {
-  intranode::NotifyArgs args{};
-  args.is_token_in_rank = pointer<const bool>(is_token_in_rank, "is_token_in_rank", num_tokens > 0);
-  args.num_tokens_per_expert = pointer<const int32_t>(num_tokens_per_expert, "num_tokens_per_expert");
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_tokens > 0);
-  args.num_tokens = num_tokens;
-  args.num_topk = num_topk;
-  args.num_experts = num_experts;
-  args.expert_alignment = expert_alignment;
-  args.num_worst_tokens = num_worst_tokens;
-  args.row_layout = intranode::pack_row_layout(row_bytes, num_scales, num_topk, has_weights);
-  args.send_pos = pointer<int32_t>(send_pos, "send_pos", num_tokens > 0);
-  args.recv_rank_offsets = pointer<int32_t>(recv_rank_offsets, "recv_rank_offsets");
-  args.src_num_tokens = pointer<int32_t>(src_num_tokens, "src_num_tokens");
-  args.num_recv_tokens = pointer<int32_t>(num_recv_tokens, "num_recv_tokens");
-  args.host_tag = host_tag;
-  runtime.notify(args, as_stream(stream));
+// Binds field `member` of Args as an integer device address (0: null); the runtime checks it.
+template <typename Args, typename T>
+void bind_address(py::class_<Args>& cls, const char* name, T* Args::*member) {
+  cls.def_property(
+      name, [member](const Args& self) { return reinterpret_cast<uintptr_t>(self.*member); },
+      [member](Args& self, uintptr_t address) { self.*member = reinterpret_cast<T*>(address); });
 }
 
-// Returns how many of this rank's tokens had their rows go to the peers by copy engine.
-int runtime_dispatch(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
-                      int num_tokens,
-                      int row_bytes, int num_scales, int num_topk, int num_local_experts, uintptr_t x,
-                      uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t send_pos,
-                      uintptr_t recv_x, uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                      uintptr_t recv_src_idx, int num_worst_tokens, uintptr_t num_recv_tokens, uintptr_t stream,
-                      bool direct, int64_t num_recv_rows, bool has_room, int64_t staging_bytes,
-                      uintptr_t side_stream, uintptr_t recv_rank_offsets, uintptr_t cached_src_idx) {
-  intranode::DispatchArgs args{};
-  args.num_channels = num_channels;
-  args.recv_tokens_per_channel = recv_tokens_per_channel;
-  args.send_chunk = send_chunk;
-  args.num_tokens = num_tokens;
-  args.row_bytes = row_bytes;
-  args.num_scales = num_scales;
-  args.num_topk = num_topk;
-  args.num_local_experts = num_local_experts;
-  args.x = pointer<const uint8_t>(x, "x", num_tokens > 0, 16);
-  args.x_scales = pointer<const float>(x_scales, "x_scales", false);
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_topk > 0 && num_tokens > 0);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
-  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
-  args.recv_x = pointer<uint8_t>(recv_x, "recv_x", false, 16);
-  args.recv_x_scales = pointer<float>(recv_x_scales, "recv_x_scales", num_scales > 0);
-  args.recv_topk_idx = pointer<int64_t>(recv_topk_idx, "recv_topk_idx", false);
-  args.recv_topk_weights = pointer<float>(recv_topk_weights, "recv_topk_weights", false);
-  args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
-  args.num_worst_tokens = num_worst_tokens;
-  args.num_recv_tokens = pointer<const int32_t>(num_recv_tokens, "num_recv_tokens");
-  args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets", false);
-  args.cached_src_idx = pointer<const int32_t>(cached_src_idx, "cached_src_idx", false);
-  if (!direct) {
-    EP_CHECK_ARG(staging_bytes == 0, "copy-engine dispatch rows need the direct dispatch (direct=True)");
-    runtime.dispatch(args, as_stream(stream));
-    return 0;
-  }
-  const StagedDispatch staged{staging_bytes, as_stream(side_stream)};
-  return runtime.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream),
-                                 staging_bytes > 0 ? &staged : nullptr);
+// The fields the caller fills (api.cuh says what each holds); the runtime fills the rest.
+void bind_notify_args(py::module_& m) {
+  py::class_<intranode::NotifyArgs> cls(m, "NotifyArgs", "Arguments of IntranodeRuntime.notify (api.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("num_tokens", &intranode::NotifyArgs::num_tokens)
+      .def_readwrite("num_topk", &intranode::NotifyArgs::num_topk)
+      .def_readwrite("num_experts", &intranode::NotifyArgs::num_experts)
+      .def_readwrite("expert_alignment", &intranode::NotifyArgs::expert_alignment)
+      .def_readwrite("num_worst_tokens", &intranode::NotifyArgs::num_worst_tokens)
+      .def_readwrite("row_layout", &intranode::NotifyArgs::row_layout)
+      .def_readwrite("host_tag", &intranode::NotifyArgs::host_tag);
+  bind_address(cls, "is_token_in_rank", &intranode::NotifyArgs::is_token_in_rank);
+  bind_address(cls, "num_tokens_per_expert", &intranode::NotifyArgs::num_tokens_per_expert);
+  bind_address(cls, "topk_idx", &intranode::NotifyArgs::topk_idx);
+  bind_address(cls, "send_pos", &intranode::NotifyArgs::send_pos);
+  bind_address(cls, "recv_rank_offsets", &intranode::NotifyArgs::recv_rank_offsets);
+  bind_address(cls, "src_num_tokens", &intranode::NotifyArgs::src_num_tokens);
+  bind_address(cls, "num_recv_tokens", &intranode::NotifyArgs::num_recv_tokens);
 }
 
-void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_tokens_per_channel, int send_chunk,
-                     int num_tokens,
-                     int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx,
-                     uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t send_pos, uintptr_t bias_0,
-                     uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights, uintptr_t stream) {
-  intranode::CombineArgs args{};
-  args.num_channels = num_channels;
-  args.recv_tokens_per_channel = recv_tokens_per_channel;
-  args.send_chunk = send_chunk;
-  args.num_tokens = num_tokens;
-  args.hidden = hidden;
-  args.num_topk = num_topk;
-  args.x = pointer<const uint8_t>(x, "x", false, 16);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
-  args.recv_src_idx = pointer<const int32_t>(recv_src_idx, "recv_src_idx", false);
-  args.recv_rank_offsets = pointer<const int32_t>(recv_rank_offsets, "recv_rank_offsets");
-  args.src_num_tokens = pointer<const int32_t>(src_num_tokens, "src_num_tokens");
-  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
-  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
-  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
-  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
-  args.combined_topk_weights = pointer<float>(combined_topk_weights, "combined_topk_weights", false);
-  runtime.combine(args, as_stream(stream));
+void bind_dispatch_args(py::module_& m) {
+  py::class_<intranode::DispatchArgs> cls(m, "DispatchArgs",
+                                          "Arguments of IntranodeRuntime.dispatch / direct_dispatch (api.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("num_channels", &intranode::DispatchArgs::num_channels)
+      .def_readwrite("recv_tokens_per_channel", &intranode::DispatchArgs::recv_tokens_per_channel)
+      .def_readwrite("send_chunk", &intranode::DispatchArgs::send_chunk)
+      .def_readwrite("num_tokens", &intranode::DispatchArgs::num_tokens)
+      .def_readwrite("row_bytes", &intranode::DispatchArgs::row_bytes)
+      .def_readwrite("num_scales", &intranode::DispatchArgs::num_scales)
+      .def_readwrite("num_topk", &intranode::DispatchArgs::num_topk)
+      .def_readwrite("num_local_experts", &intranode::DispatchArgs::num_local_experts)
+      .def_readwrite("num_worst_tokens", &intranode::DispatchArgs::num_worst_tokens);
+  bind_address(cls, "x", &intranode::DispatchArgs::x);
+  bind_address(cls, "x_scales", &intranode::DispatchArgs::x_scales);
+  bind_address(cls, "topk_idx", &intranode::DispatchArgs::topk_idx);
+  bind_address(cls, "topk_weights", &intranode::DispatchArgs::topk_weights);
+  bind_address(cls, "send_pos", &intranode::DispatchArgs::send_pos);
+  bind_address(cls, "recv_x", &intranode::DispatchArgs::recv_x);
+  bind_address(cls, "recv_x_scales", &intranode::DispatchArgs::recv_x_scales);
+  bind_address(cls, "recv_topk_idx", &intranode::DispatchArgs::recv_topk_idx);
+  bind_address(cls, "recv_topk_weights", &intranode::DispatchArgs::recv_topk_weights);
+  bind_address(cls, "recv_src_idx", &intranode::DispatchArgs::recv_src_idx);
+  bind_address(cls, "num_recv_tokens", &intranode::DispatchArgs::num_recv_tokens);
 }
 
-void runtime_staged_combine(IntranodeRuntime& runtime, int num_tokens, int hidden, int num_topk, uintptr_t x,
-                            uintptr_t topk_weights, uintptr_t send_pos, uintptr_t bias_0, uintptr_t bias_1,
-                            uintptr_t combined_x, uintptr_t combined_topk_weights, const std::vector<int>& rows_from,
-                            int64_t staging_bytes, int num_sms, uintptr_t stream, uintptr_t side_stream) {
-  StagedCombineRequest request{};
-  intranode::StagedReduceArgs& args = request.reduce;
-  args.num_tokens = num_tokens;
-  args.hidden = hidden;
-  args.num_topk = num_topk;
-  args.x = pointer<const uint8_t>(x, "x", false, 16);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", false);
-  args.send_pos = pointer<const int32_t>(send_pos, "send_pos", num_tokens > 0);
-  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
-  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
-  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
-  args.combined_topk_weights = pointer<float>(combined_topk_weights, "combined_topk_weights", false);
-  request.rows_from = rows_from;
-  request.staging_bytes = staging_bytes;
-  request.num_sms = num_sms;
-  runtime.staged_combine(request, as_stream(stream), as_stream(side_stream));
+void bind_combine_args(py::module_& m) {
+  py::class_<intranode::CombineArgs> cls(m, "CombineArgs", "Arguments of IntranodeRuntime.combine (api.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("num_channels", &intranode::CombineArgs::num_channels)
+      .def_readwrite("recv_tokens_per_channel", &intranode::CombineArgs::recv_tokens_per_channel)
+      .def_readwrite("send_chunk", &intranode::CombineArgs::send_chunk)
+      .def_readwrite("num_tokens", &intranode::CombineArgs::num_tokens)
+      .def_readwrite("hidden", &intranode::CombineArgs::hidden)
+      .def_readwrite("num_topk", &intranode::CombineArgs::num_topk);
+  bind_address(cls, "x", &intranode::CombineArgs::x);
+  bind_address(cls, "topk_weights", &intranode::CombineArgs::topk_weights);
+  bind_address(cls, "recv_src_idx", &intranode::CombineArgs::recv_src_idx);
+  bind_address(cls, "recv_rank_offsets", &intranode::CombineArgs::recv_rank_offsets);
+  bind_address(cls, "src_num_tokens", &intranode::CombineArgs::src_num_tokens);
+  bind_address(cls, "send_pos", &intranode::CombineArgs::send_pos);
+  bind_address(cls, "bias_0", &intranode::CombineArgs::bias_0);
+  bind_address(cls, "bias_1", &intranode::CombineArgs::bias_1);
+  bind_address(cls, "combined_x", &intranode::CombineArgs::combined_x);
+  bind_address(cls, "combined_topk_weights", &intranode::CombineArgs::combined_topk_weights);
+}
+
+void bind_staged_reduce_args(py::module_& m) {
+  py::class_<intranode::StagedReduceArgs> cls(m, "StagedReduceArgs",
+                                              "Arguments of IntranodeRuntime.staged_combine (api.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("num_tokens", &intranode::StagedReduceArgs::num_tokens)
+      .def_readwrite("hidden", &intranode::StagedReduceArgs::hidden)
+      .def_readwrite("num_topk", &intranode::StagedReduceArgs::num_topk);
+  bind_address(cls, "x", &intranode::StagedReduceArgs::x);
+  bind_address(cls, "topk_weights", &intranode::StagedReduceArgs::topk_weights);
+  bind_address(cls, "send_pos", &intranode::StagedReduceArgs::send_pos);
+  bind_address(cls, "bias_0", &intranode::StagedReduceArgs::bias_0);
+  bind_address(cls, "bias_1", &intranode::StagedReduceArgs::bias_1);
+  bind_address(cls, "combined_x", &intranode::StagedReduceArgs::combined_x);
+  bind_address(cls, "combined_topk_weights", &intranode::StagedReduceArgs::combined_topk_weights);
 }
 
 py::tuple runtime_wait_notify(IntranodeRuntime& runtime, int tag, int num_local_experts, uintptr_t stream) {
@@ -255,6 +235,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STAGING_ROWS_PER_PIECE") = intranode::kStagingRowsPerPiece;
   m.attr("MAX_STAGING_SLOTS") = intranode::kMaxStagingSlots;
 
+  m.def("pack_row_layout", &intranode::pack_row_layout, py::arg("row_bytes"), py::arg("num_scales"),
+        py::arg("num_topk"), py::arg("has_weights"),
+        "NotifyArgs.row_layout of a dispatch's rows (every rank's must be equal).");
+  bind_notify_args(m);
+  bind_dispatch_args(m);
+  bind_combine_args(m);
+  bind_staged_reduce_args(m);
+
   m.def("nvl_buffer_size_hint", &intranode::nvl_buffer_size_hint, py::arg("payload_bytes"), py::arg("num_ranks"),
         py::arg("num_sms"), py::arg("recv_tokens_per_channel"),
         "Bytes of NVLink buffer for rows of payload_bytes (pure function, no GPU needed).");
@@ -302,8 +290,9 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", &OutputRegionAllocator::describe);
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
-      .def(py::init<int, int, int64_t, double, int64_t, int64_t>(), py::arg("rank"), py::arg("num_ranks"),
-           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0)
+      .def(py::init<int, int, int64_t, double, int64_t, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0,
+           py::arg("direct_max_blocks") = 16, py::arg("direct_chunk_tokens") = 1)
       .def_property_readonly("device", &IntranodeRuntime::device)
       .def_property_readonly("num_nvl_bytes", &IntranodeRuntime::num_nvl_bytes)
       .def_property_readonly("staging_bytes", &IntranodeRuntime::staging_bytes)
@@ -312,11 +301,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("output_region_bytes", &IntranodeRuntime::output_region_bytes)
       .def_property_readonly("dispatch_bulk_rows", &IntranodeRuntime::dispatch_bulk_rows,
                              "Whether the dispatch's senders copy rows by bulk copies (else through registers).")
+      .def_property_readonly("direct_max_blocks", &IntranodeRuntime::direct_max_blocks,
+                             "Blocks the direct dispatch runs on at most (0: num_sms).")
       .def_property_readonly("direct_chunk_tokens", &IntranodeRuntime::direct_chunk_tokens,
-                             "Tokens per chunk the direct dispatch's warps claim (0: fixed equal shares).")
-      .def_property_readonly("dispatch_ce_share", &IntranodeRuntime::dispatch_ce_share,
-                             "Percent of a rank's tokens (its last ones) whose rows go to the peers by copy engine "
-                             "with copy-engine dispatch rows (EP_PLUGIN_DISPATCH_CE_SHARE, default 100).")
+                             "Tokens per chunk the direct dispatch's warps claim.")
       .def("staging_rows", &IntranodeRuntime::staging_rows, py::arg("staging_bytes"), py::arg("hidden"),
            "Rows per peer the copy-engine combine's staging area holds (0: too small, or over this rank's area).")
       .def("ipc_handle", [](const IntranodeRuntime& self) { return py::bytes(self.ipc_handle()); })
@@ -326,37 +314,34 @@ PYBIND11_MODULE(_C, m) {
       }, py::arg("handles"))
       .def("destroy", &IntranodeRuntime::destroy)
       .def("check_device_error", &IntranodeRuntime::check_device_error)
-      .def("notify", &runtime_notify, py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"),
-           py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("row_bytes"), py::arg("num_scales"),
-           py::arg("has_weights"), py::arg("send_pos"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"),
-           py::arg("num_recv_tokens"), py::arg("host_tag"), py::arg("stream"))
+      .def("notify", [](IntranodeRuntime& self, const intranode::NotifyArgs& args,
+                        uintptr_t stream) { self.notify(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"))
       .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
-      .def("dispatch", &runtime_dispatch, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
-           py::arg("send_chunk"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
-           py::arg("num_local_experts"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
-           py::arg("topk_weights"), py::arg("send_pos"), py::arg("recv_x"), py::arg("recv_x_scales"),
-           py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
-           py::arg("num_worst_tokens"), py::arg("num_recv_tokens"), py::arg("stream"), py::arg("direct") = false,
-           py::arg("num_recv_rows") = 0, py::arg("has_room") = true, py::arg("staging_bytes") = 0,
-           py::arg("side_stream") = 0, py::arg("recv_rank_offsets") = 0, py::arg("cached_src_idx") = 0,
-           "direct: senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every "
-           "rank of the call must pass the same. has_room false: this rank's outputs are elsewhere (its region "
-           "was full), and every rank falls back to the rings. staging_bytes > 0 (direct only, every rank alike): "
-           "the rows cross NVLink by copy engine through the staging areas (recv_rank_offsets [R + 1], and "
-           "cached_src_idx for a cached dispatch; side_stream refills the area). Returns how many of this rank's "
-           "tokens (its last ones) had their rows go to the peers by copy engine.")
+      .def("dispatch", [](IntranodeRuntime& self, const intranode::DispatchArgs& args,
+                          uintptr_t stream) { self.dispatch(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"), "The ring dispatch.")
+      .def("direct_dispatch", [](IntranodeRuntime& self, const intranode::DispatchArgs& args, int64_t num_recv_rows,
+                                 bool has_room, uintptr_t stream) {
+             self.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream));
+           },
+           py::arg("args"), py::arg("num_recv_rows"), py::arg("has_room"), py::arg("stream"),
+           "Senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every rank "
+           "of the call must take this path. has_room false: this rank's outputs are elsewhere (its region was "
+           "full), and every rank falls back to the rings.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
-      .def("combine", &runtime_combine, py::arg("num_channels"), py::arg("recv_tokens_per_channel"),
-           py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
-           py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
-           py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
-           py::arg("stream"))
-      .def("staged_combine", &runtime_staged_combine, py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"),
-           py::arg("x"), py::arg("topk_weights"), py::arg("send_pos"), py::arg("bias_0"), py::arg("bias_1"),
-           py::arg("combined_x"), py::arg("combined_topk_weights"), py::arg("rows_from"), py::arg("staging_bytes"),
-           py::arg("num_sms"), py::arg("stream"), py::arg("side_stream"),
+      .def("combine", [](IntranodeRuntime& self, const intranode::CombineArgs& args,
+                         uintptr_t stream) { self.combine(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"))
+      .def("staged_combine",
+           [](IntranodeRuntime& self, const intranode::StagedReduceArgs& args, const std::vector<int>& rows_from,
+              int64_t staging_bytes, int num_sms, uintptr_t stream, uintptr_t side_stream) {
+             self.staged_combine(StagedCombineRequest{args, staging_bytes, rows_from, num_sms}, as_stream(stream),
+                                 as_stream(side_stream));
+           },
+           py::arg("args"), py::arg("rows_from"), py::arg("staging_bytes"), py::arg("num_sms"), py::arg("stream"),
+           py::arg("side_stream"),
            "Combine through the copy engines (see IntranodeRuntime::staged_combine); releases the GIL.",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -2,9 +2,10 @@
 // leg of internode normal mode.
 //
 // A separate module from ep_plugin._C so that the intranode kernels build and import where NVSHMEM
-// is absent. Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends/
-// native.py checks dtypes, shapes and devices and allocates outputs with torch. Here each address is
-// checked for presence and alignment, naming the argument, before anything is launched.
+// is absent. Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends checks
+// dtypes, shapes and devices and allocates outputs with torch. Each operation takes its Args struct,
+// bound here field by field; the runtime checks every address for presence and alignment, naming the
+// argument, before anything is launched.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -36,53 +37,69 @@ int64_t size_hint(int num_max_tokens, int hidden, int num_ranks, int num_experts
   return make_layout(num_max_tokens, hidden, num_ranks, num_experts).total_bytes();
 }
 
-void runtime_dispatch(LowLatencyRuntime& runtime, int parity, int phases, int num_max_tokens, int hidden,
-                      int num_experts, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                      bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_count,
-                      uintptr_t recv_src_info, uintptr_t recv_layout, uintptr_t cumulative_stats,
-                      bool carry_route, bool bf16_partials, uintptr_t route_weights, uintptr_t stream) {
-  low_latency::DispatchArgs args{};
-  args.layout = make_layout(num_max_tokens, hidden, runtime.num_ranks(), num_experts);
-  args.phases = phases;
-  const bool send = (phases & low_latency::kPhaseSend) != 0;
-  args.x = pointer<const uint8_t>(x, "x", send && num_tokens > 0, 16);
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", send && num_tokens > 0);
-  args.num_tokens = num_tokens;
-  args.num_topk = num_topk;
-  args.use_fp8 = use_fp8;
-  args.round_scale = round_scale;
-  args.use_ue8m0 = use_ue8m0;
-  args.recv_x = pointer<uint8_t>(recv_x, "recv_x", true, 16);
-  args.recv_scales = pointer<uint8_t>(recv_scales, "recv_scales", use_fp8, 4);
-  args.recv_count = pointer<int32_t>(recv_count, "recv_count");
-  args.recv_src_info = pointer<int32_t>(recv_src_info, "recv_src_info");
-  args.recv_layout = pointer<int64_t>(recv_layout, "recv_layout");
-  args.cumulative_stats = pointer<int32_t>(cumulative_stats, "cumulative_local_expert_recv_stats", false);
-  args.carry_route = carry_route;
-  args.bf16_partials = bf16_partials;
-  args.topk_weights = pointer<const float>(route_weights, "topk_weights", carry_route && send && num_tokens > 0);
-  runtime.dispatch(args, parity, as_stream(stream));
+// Binds field `member` of Args as an integer device address (0: null); the runtime checks it.
+template <typename Args, typename T>
+void bind_address(py::class_<Args>& cls, const char* name, T* Args::*member) {
+  cls.def_property(
+      name, [member](const Args& self) { return reinterpret_cast<uintptr_t>(self.*member); },
+      [member](Args& self, uintptr_t address) { self.*member = reinterpret_cast<T*>(address); });
 }
 
-void runtime_combine(LowLatencyRuntime& runtime, int parity, int phases, int num_max_tokens, int hidden,
-                     int num_experts, uintptr_t x, uintptr_t recv_src_info, uintptr_t recv_layout, uintptr_t topk_idx,
-                     uintptr_t topk_weights, int num_tokens, int num_topk, uintptr_t out, bool expert_sums,
-                     bool bf16_partials, uintptr_t stream) {
-  low_latency::CombineArgs args{};
-  args.layout = make_layout(num_max_tokens, hidden, runtime.num_ranks(), num_experts);
-  args.phases = phases;
-  const bool recv = (phases & low_latency::kPhaseRecv) != 0;
-  args.x = pointer<const uint8_t>(x, "x", true, 16);
-  args.recv_src_info = pointer<const int32_t>(recv_src_info, "handle.recv_src_info");
-  args.recv_layout = pointer<const int64_t>(recv_layout, "handle.recv_layout");
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", recv && num_tokens > 0);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", recv && num_tokens > 0);
-  args.num_tokens = num_tokens;
-  args.num_topk = num_topk;
-  args.out = pointer<uint8_t>(out, "out", recv && num_tokens > 0, 16);
-  args.expert_sums = expert_sums;
-  args.bf16_partials = bf16_partials;
-  runtime.combine(args, parity, as_stream(stream));
+// The layout's sizes the caller gives (the runtime fills num_ranks and checks them).
+template <typename Args>
+void bind_layout_sizes(py::class_<Args>& cls) {
+  cls.def_property(
+         "num_max_dispatch_tokens_per_rank", [](const Args& self) { return self.layout.num_max_tokens; },
+         [](Args& self, int value) { self.layout.num_max_tokens = value; })
+      .def_property(
+          "hidden", [](const Args& self) { return self.layout.hidden; },
+          [](Args& self, int value) { self.layout.hidden = value; })
+      .def_property(
+          "num_experts", [](const Args& self) { return self.layout.num_experts; },
+          [](Args& self, int value) { self.layout.num_experts = value; });
+}
+
+// The fields the caller fills (low_latency_layout.cuh says what each holds); the runtime fills the rest.
+void bind_low_latency_dispatch_args(py::module_& m) {
+  using Args = low_latency::DispatchArgs;
+  py::class_<Args> cls(m, "DispatchArgs", "Arguments of LowLatencyRuntime.dispatch (low_latency_layout.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("phases", &Args::phases)
+      .def_readwrite("num_tokens", &Args::num_tokens)
+      .def_readwrite("num_topk", &Args::num_topk)
+      .def_readwrite("use_fp8", &Args::use_fp8)
+      .def_readwrite("round_scale", &Args::round_scale)
+      .def_readwrite("use_ue8m0", &Args::use_ue8m0)
+      .def_readwrite("carry_route", &Args::carry_route)
+      .def_readwrite("bf16_partials", &Args::bf16_partials);
+  bind_layout_sizes(cls);
+  bind_address(cls, "x", &Args::x);
+  bind_address(cls, "topk_idx", &Args::topk_idx);
+  bind_address(cls, "recv_x", &Args::recv_x);
+  bind_address(cls, "recv_scales", &Args::recv_scales);
+  bind_address(cls, "recv_count", &Args::recv_count);
+  bind_address(cls, "recv_src_info", &Args::recv_src_info);
+  bind_address(cls, "recv_layout", &Args::recv_layout);
+  bind_address(cls, "cumulative_local_expert_recv_stats", &Args::cumulative_stats);
+  bind_address(cls, "topk_weights", &Args::topk_weights);
+}
+
+void bind_low_latency_combine_args(py::module_& m) {
+  using Args = low_latency::CombineArgs;
+  py::class_<Args> cls(m, "CombineArgs", "Arguments of LowLatencyRuntime.combine (low_latency_layout.cuh).");
+  cls.def(py::init<>())
+      .def_readwrite("phases", &Args::phases)
+      .def_readwrite("num_tokens", &Args::num_tokens)
+      .def_readwrite("num_topk", &Args::num_topk)
+      .def_readwrite("expert_sums", &Args::expert_sums)
+      .def_readwrite("bf16_partials", &Args::bf16_partials);
+  bind_layout_sizes(cls);
+  bind_address(cls, "x", &Args::x);
+  bind_address(cls, "recv_src_info", &Args::recv_src_info);
+  bind_address(cls, "recv_layout", &Args::recv_layout);
+  bind_address(cls, "topk_idx", &Args::topk_idx);
+  bind_address(cls, "topk_weights", &Args::topk_weights);
+  bind_address(cls, "out", &Args::out);
 }
 
 // ---- internode ----------------------------------------------------------------------------------
@@ -94,13 +111,6 @@ internode::InternodeLayout make_internode_layout(int num_nodes, int num_channels
   EP_CHECK_ARG(ring_slots >= 1, "num_max_rdma_chunked_recv_tokens must be positive, got " << ring_slots);
   EP_CHECK_ARG(slot_bytes > 0 && slot_bytes % 16 == 0, "slot bytes must be a positive multiple of 16");
   return internode::InternodeLayout{num_nodes, num_channels, ring_slots, slot_bytes};
-}
-
-// Blocks per half of a network-leg launch: each serves num_channels / num_blocks channels.
-int checked_num_blocks(int num_channels, int num_blocks) {
-  EP_CHECK_ARG(num_blocks >= 1 && num_channels % num_blocks == 0,
-               "num_blocks must divide num_channels (" << num_channels << "), got " << num_blocks);
-  return num_blocks;
 }
 
 int64_t internode_size_hint(int64_t hidden_bytes, int num_nodes, int num_channels, int ring_slots) {
@@ -117,86 +127,91 @@ internode::DispatchSlot make_dispatch_slot(int row_bytes, int num_scales, int nu
   return internode::DispatchSlot{row_bytes, num_scales, num_topk, has_weights ? 1 : 0};
 }
 
-void internode_notify(InternodeRuntime& runtime, int num_channels, int num_tokens, uintptr_t is_token_in_node,
-                      int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t send_counts,
-                      uintptr_t recv_offsets, uintptr_t num_recv, int capacity, int host_tag, uintptr_t stream) {
-  internode::NotifyArgs args{};
-  args.num_channels = num_channels;
-  args.num_tokens = num_tokens;
-  args.is_token_in_node = pointer<const bool>(is_token_in_node, "is_token_in_node", num_tokens > 0);
-  args.row_bytes = row_bytes;
-  args.num_scales = num_scales;
-  args.num_topk = num_topk;
-  args.has_weights = has_weights ? 1 : 0;
-  args.send_counts = pointer<int32_t>(send_counts, "send_counts");
-  args.recv_offsets = pointer<int32_t>(recv_offsets, "recv_offsets");
-  args.num_recv = pointer<int32_t>(num_recv, "num_recv");
-  args.capacity = capacity;
-  args.host_tag = host_tag;
-  runtime.notify(args, as_stream(stream));
+// The network leg's Args: the ring layout's and the slot's sizes the caller gives, field by field.
+template <typename Args>
+void bind_ring_sizes(py::class_<Args>& cls) {
+  cls.def_property(
+         "num_channels", [](const Args& self) { return self.layout.num_channels; },
+         [](Args& self, int value) { self.layout.num_channels = value; })
+      .def_property(
+          "ring_slots", [](const Args& self) { return self.layout.ring_slots; },
+          [](Args& self, int value) { self.layout.ring_slots = value; })
+      .def_property(
+          "slot_bytes", [](const Args& self) { return self.layout.slot_bytes; },
+          [](Args& self, int64_t value) { self.layout.slot_bytes = value; })
+      .def_readwrite("num_blocks", &Args::num_blocks)
+      .def_readwrite("send_chunk", &Args::send_chunk);
 }
 
-void internode_dispatch(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int send_chunk,
-                        int64_t slot_bytes, int num_tokens, int row_bytes, int num_scales, int num_topk, bool has_weights, uintptr_t x,
-                        uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t is_token_in_node,
-                        uintptr_t send_pos, uintptr_t recv_offsets, int capacity, uintptr_t recv_x,
-                        uintptr_t recv_x_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                        uintptr_t recv_src_idx, uintptr_t stream) {
-  internode::DispatchArgs args{};
-  args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
-  args.num_blocks = checked_num_blocks(num_channels, num_blocks);
-  EP_CHECK_ARG(send_chunk >= 1, "num_max_rdma_chunked_send_tokens must be positive, got " << send_chunk);
-  args.send_chunk = send_chunk;
-  args.slot = make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights);
-  EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
-  EP_CHECK_ARG(capacity >= 0, "capacity must be non-negative");
-  const bool send = num_tokens > 0, recv = capacity > 0;
-  args.num_tokens = num_tokens;
-  args.x = pointer<const uint8_t>(x, "x", send, 16);
-  args.x_scales = pointer<const float>(x_scales, "x_scales", send && num_scales > 0);
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", send && num_topk > 0);
-  args.topk_weights = pointer<const float>(topk_weights, "topk_weights", send && num_topk > 0 && has_weights);
-  args.is_token_in_node = pointer<const bool>(is_token_in_node, "is_token_in_node", send);
-  args.send_pos = pointer<int32_t>(send_pos, "send_pos", false);
-  args.recv_offsets = pointer<const int32_t>(recv_offsets, "recv_offsets");
-  args.capacity = capacity;
-  args.recv_x = pointer<uint8_t>(recv_x, "recv_x", recv, 16);
-  args.recv_x_scales = pointer<float>(recv_x_scales, "recv_x_scales", recv && num_scales > 0);
-  args.recv_topk_idx = pointer<int64_t>(recv_topk_idx, "recv_topk_idx", false);
-  args.recv_topk_weights = pointer<float>(recv_topk_weights, "recv_topk_weights", false);
-  args.recv_src_idx = pointer<int32_t>(recv_src_idx, "recv_src_idx", false);
-  runtime.dispatch(args, as_stream(stream));
+template <typename Args, typename Slot>
+void bind_slot_field(py::class_<Args>& cls, const char* name, int Slot::*member) {
+  cls.def_property(
+      name, [member](const Args& self) { return self.slot.*member; },
+      [member](Args& self, int value) { self.slot.*member = value; });
 }
 
-void internode_combine(InternodeRuntime& runtime, int num_channels, int num_blocks, int ring_slots, int send_chunk,
-                       int64_t slot_bytes,
-                       int hidden,
-                       int num_topk, int capacity, uintptr_t partial_x, uintptr_t partial_weights,
-                       uintptr_t recv_offsets, int num_tokens, uintptr_t is_token_in_node, uintptr_t send_pos,
-                       uintptr_t send_counts, uintptr_t bias_0, uintptr_t bias_1, uintptr_t combined_x,
-                       uintptr_t combined_weights, uintptr_t stream) {
-  internode::CombineArgs args{};
-  args.layout = make_internode_layout(runtime.num_nodes(), num_channels, ring_slots, slot_bytes);
-  args.num_blocks = checked_num_blocks(num_channels, num_blocks);
-  EP_CHECK_ARG(send_chunk >= 1, "num_max_rdma_chunked_send_tokens must be positive, got " << send_chunk);
-  args.send_chunk = send_chunk;
-  EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8, got " << hidden);
-  EP_CHECK_ARG(num_topk >= 0 && num_topk <= internode::kMaxTopk, "top-k must be in [0, " << internode::kMaxTopk << "]");
-  args.slot = internode::CombineSlot{hidden, num_topk};
-  EP_CHECK_ARG(args.slot.bytes() <= slot_bytes, "slot_bytes " << slot_bytes << " < " << args.slot.bytes());
-  args.capacity = capacity;
-  args.partial_x = pointer<const uint8_t>(partial_x, "partial_x", capacity > 0, 16);
-  args.partial_weights = pointer<const float>(partial_weights, "partial_weights", capacity > 0 && num_topk > 0);
-  args.recv_offsets = pointer<const int32_t>(recv_offsets, "handle.recv_offsets");
-  args.num_tokens = num_tokens;
-  args.is_token_in_node = pointer<const bool>(is_token_in_node, "handle.is_token_in_node", num_tokens > 0);
-  args.send_pos = pointer<const int32_t>(send_pos, "handle.send_pos", num_tokens > 0);
-  args.send_counts = pointer<const int32_t>(send_counts, "handle.send_counts");
-  args.bias_0 = pointer<const uint8_t>(bias_0, "bias_0", false, 16);
-  args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
-  args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
-  args.combined_weights = pointer<float>(combined_weights, "combined_topk_weights", false);
-  runtime.combine(args, as_stream(stream));
+void bind_internode_args(py::module_& m) {
+  {
+    using Args = internode::NotifyArgs;
+    py::class_<Args> cls(m, "InternodeNotifyArgs", "Arguments of InternodeRuntime.notify (internode_layout.cuh).");
+    cls.def(py::init<>())
+        .def_readwrite("num_channels", &Args::num_channels)
+        .def_readwrite("num_tokens", &Args::num_tokens)
+        .def_readwrite("row_bytes", &Args::row_bytes)
+        .def_readwrite("num_scales", &Args::num_scales)
+        .def_readwrite("num_topk", &Args::num_topk)
+        .def_readwrite("has_weights", &Args::has_weights)
+        .def_readwrite("capacity", &Args::capacity)
+        .def_readwrite("host_tag", &Args::host_tag);
+    bind_address(cls, "is_token_in_node", &Args::is_token_in_node);
+    bind_address(cls, "send_counts", &Args::send_counts);
+    bind_address(cls, "recv_offsets", &Args::recv_offsets);
+    bind_address(cls, "num_recv", &Args::num_recv);
+  }
+  {
+    using Args = internode::DispatchArgs;
+    py::class_<Args> cls(m, "InternodeDispatchArgs", "Arguments of InternodeRuntime.dispatch (internode_layout.cuh).");
+    cls.def(py::init<>())
+        .def_readwrite("num_tokens", &Args::num_tokens)
+        .def_readwrite("capacity", &Args::capacity);
+    bind_ring_sizes(cls);
+    bind_slot_field(cls, "row_bytes", &internode::DispatchSlot::row_bytes);
+    bind_slot_field(cls, "num_scales", &internode::DispatchSlot::num_scales);
+    bind_slot_field(cls, "num_topk", &internode::DispatchSlot::num_topk);
+    bind_slot_field(cls, "has_weights", &internode::DispatchSlot::has_weights);
+    bind_address(cls, "x", &Args::x);
+    bind_address(cls, "x_scales", &Args::x_scales);
+    bind_address(cls, "topk_idx", &Args::topk_idx);
+    bind_address(cls, "topk_weights", &Args::topk_weights);
+    bind_address(cls, "is_token_in_node", &Args::is_token_in_node);
+    bind_address(cls, "send_pos", &Args::send_pos);
+    bind_address(cls, "recv_offsets", &Args::recv_offsets);
+    bind_address(cls, "recv_x", &Args::recv_x);
+    bind_address(cls, "recv_x_scales", &Args::recv_x_scales);
+    bind_address(cls, "recv_topk_idx", &Args::recv_topk_idx);
+    bind_address(cls, "recv_topk_weights", &Args::recv_topk_weights);
+    bind_address(cls, "recv_src_idx", &Args::recv_src_idx);
+  }
+  {
+    using Args = internode::CombineArgs;
+    py::class_<Args> cls(m, "InternodeCombineArgs", "Arguments of InternodeRuntime.combine (internode_layout.cuh).");
+    cls.def(py::init<>())
+        .def_readwrite("capacity", &Args::capacity)
+        .def_readwrite("num_tokens", &Args::num_tokens);
+    bind_ring_sizes(cls);
+    bind_slot_field(cls, "hidden", &internode::CombineSlot::hidden);
+    bind_slot_field(cls, "num_topk", &internode::CombineSlot::num_topk);
+    bind_address(cls, "partial_x", &Args::partial_x);
+    bind_address(cls, "partial_weights", &Args::partial_weights);
+    bind_address(cls, "recv_offsets", &Args::recv_offsets);
+    bind_address(cls, "is_token_in_node", &Args::is_token_in_node);
+    bind_address(cls, "send_pos", &Args::send_pos);
+    bind_address(cls, "send_counts", &Args::send_counts);
+    bind_address(cls, "bias_0", &Args::bias_0);
+    bind_address(cls, "bias_1", &Args::bias_1);
+    bind_address(cls, "combined_x", &Args::combined_x);
+    bind_address(cls, "combined_topk_weights", &Args::combined_weights);
+  }
 }
 
 }  // namespace
@@ -224,6 +239,8 @@ PYBIND11_MODULE(_C_nvshmem, m) {
 
   m.def("size_hint", &size_hint, py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
         py::arg("num_experts"), "Symmetric-buffer bytes for these sizes (pure function, no GPU needed).");
+  bind_low_latency_dispatch_args(m);
+  bind_low_latency_combine_args(m);
   m.def("create_unique_id", [] { return py::bytes(LowLatencyRuntime::create_unique_id()); },
         "A fresh NVSHMEM unique id (create on rank 0, send to every rank).");
 
@@ -251,18 +268,12 @@ PYBIND11_MODULE(_C_nvshmem, m) {
                                                                     num_experts));
            }, py::arg("parity"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
            py::arg("num_experts"))
-      .def("dispatch", &runtime_dispatch, py::arg("parity"), py::arg("phases"),
-           py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"), py::arg("x"),
-           py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"),
-           py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
-           py::arg("recv_count"), py::arg("recv_src_info"), py::arg("recv_layout"),
-           py::arg("cumulative_local_expert_recv_stats"), py::arg("carry_route"),
-           py::arg("bf16_partials"), py::arg("route_weights"), py::arg("stream"))
-      .def("combine", &runtime_combine, py::arg("parity"), py::arg("phases"),
-           py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"), py::arg("x"),
-           py::arg("recv_src_info"), py::arg("recv_layout"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("num_tokens"), py::arg("num_topk"), py::arg("out"), py::arg("expert_sums"),
-           py::arg("bf16_partials"), py::arg("stream"))
+      .def("dispatch", [](LowLatencyRuntime& self, const low_latency::DispatchArgs& args, int parity,
+                          uintptr_t stream) { self.dispatch(args, parity, as_stream(stream)); },
+           py::arg("args"), py::arg("parity"), py::arg("stream"))
+      .def("combine", [](LowLatencyRuntime& self, const low_latency::CombineArgs& args, int parity,
+                         uintptr_t stream) { self.combine(args, parity, as_stream(stream)); },
+           py::arg("args"), py::arg("parity"), py::arg("stream"))
       .def("supports_expert_sums", &LowLatencyRuntime::supports_expert_sums, py::arg("num_max_dispatch_tokens_per_rank"),
            py::arg("hidden"), py::arg("num_experts"));
 
@@ -275,6 +286,7 @@ PYBIND11_MODULE(_C_nvshmem, m) {
   m.def("internode_size_hint", &internode_size_hint, py::arg("hidden_bytes"), py::arg("num_nodes"),
         py::arg("num_channels"), py::arg("ring_slots"),
         "Symmetric-buffer bytes of internode normal mode for these sizes (pure function, no GPU needed).");
+  bind_internode_args(m);
   m.def("internode_dispatch_slot_bytes", [](int row_bytes, int num_scales, int num_topk, bool has_weights) {
           return make_dispatch_slot(row_bytes, num_scales, num_topk, has_weights).bytes();
         }, py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"), py::arg("has_weights"));
@@ -284,13 +296,13 @@ PYBIND11_MODULE(_C_nvshmem, m) {
 
   py::class_<InternodeRuntime>(m, "InternodeRuntime")
       .def(py::init([](int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, double timeout_s,
-                       const py::bytes& unique_id) {
+                       const py::bytes& unique_id, bool force_puts) {
              std::string id = unique_id;
              py::gil_scoped_release release;  // a collective: other Python threads may run meanwhile
-             return new InternodeRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, timeout_s, id);
+             return new InternodeRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, timeout_s, id, force_puts);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_rdma_bytes"),
-           py::arg("timeout_s"), py::arg("unique_id"))
+           py::arg("timeout_s"), py::arg("unique_id"), py::arg("force_puts") = false)
       .def_property_readonly("num_rdma_bytes", &InternodeRuntime::num_rdma_bytes)
       .def_property_readonly("num_nodes", &InternodeRuntime::num_nodes)
       .def("direct_peers", &InternodeRuntime::direct_peers)
@@ -302,25 +314,17 @@ PYBIND11_MODULE(_C_nvshmem, m) {
            }, py::arg("collective"))
       .def("barrier", [](InternodeRuntime& self, uintptr_t stream) { self.barrier(as_stream(stream)); },
            py::arg("stream"))
-      .def("notify", &internode_notify, py::arg("num_channels"), py::arg("num_tokens"), py::arg("is_token_in_node"),
-           py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"), py::arg("has_weights"),
-           py::arg("send_counts"), py::arg("recv_offsets"), py::arg("num_recv"), py::arg("capacity"),
-           py::arg("host_tag"), py::arg("stream"))
+      .def("notify", [](InternodeRuntime& self, const internode::NotifyArgs& args,
+                        uintptr_t stream) { self.notify(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"))
       .def("wait_notify", [](InternodeRuntime& self, int tag, uintptr_t stream) {
              py::gil_scoped_release release;
              return self.wait_notify(tag, as_stream(stream));
            }, py::arg("tag"), py::arg("stream"))
-      .def("dispatch", &internode_dispatch, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"),
-           py::arg("send_chunk"), py::arg("slot_bytes"),
-           py::arg("num_tokens"), py::arg("row_bytes"), py::arg("num_scales"), py::arg("num_topk"),
-           py::arg("has_weights"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("is_token_in_node"), py::arg("send_pos"), py::arg("recv_offsets"), py::arg("capacity"),
-           py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
-           py::arg("recv_src_idx"), py::arg("stream"))
-      .def("combine", &internode_combine, py::arg("num_channels"), py::arg("num_blocks"), py::arg("ring_slots"),
-           py::arg("send_chunk"), py::arg("slot_bytes"),
-           py::arg("hidden"), py::arg("num_topk"), py::arg("capacity"), py::arg("partial_x"),
-           py::arg("partial_weights"), py::arg("recv_offsets"), py::arg("num_tokens"), py::arg("is_token_in_node"),
-           py::arg("send_pos"), py::arg("send_counts"), py::arg("bias_0"), py::arg("bias_1"),
-           py::arg("combined_x"), py::arg("combined_weights"), py::arg("stream"));
+      .def("dispatch", [](InternodeRuntime& self, const internode::DispatchArgs& args,
+                          uintptr_t stream) { self.dispatch(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"))
+      .def("combine", [](InternodeRuntime& self, const internode::CombineArgs& args,
+                         uintptr_t stream) { self.combine(args, as_stream(stream)); },
+           py::arg("args"), py::arg("stream"));
 }

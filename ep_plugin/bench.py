@@ -151,7 +151,7 @@ def _sleep_cycles(lead_us: float) -> int:
     return max(1, int(probe * lead_us / (start.elapsed_time(end) * 1e3)))
 
 
-DISPATCH_PATHS = ("direct", "direct, copy-engine rows", "direct, fell back to rings", "rings")
+DISPATCH_PATHS = ("direct", "direct, fell back to rings", "rings")
 
 
 def _dispatch_path(buf: Buffer) -> str:
@@ -160,8 +160,6 @@ def _dispatch_path(buf: Buffer) -> str:
     path = getattr(backend, "last_dispatch_path", "") or buf.backend_name
     if path == "direct" and backend.direct_fell_back():
         return "direct, fell back to rings"
-    if path == "direct" and backend.last_dispatch_copy_engine:
-        return "direct, copy-engine rows"
     return path
 
 

@@ -33,6 +33,8 @@ LIBFABRIC_PROVIDERS = ("cxi", "efa", "verbs")
 EXPERT_SUMS_PARTIALS = ("bf16", "fp32")
 # NVSHMEM's IBGDA bounds on NVSHMEM_QP_DEPTH (NVSHMEMI_IBGDA_MIN/MAX_QP_DEPTH).
 QP_DEPTH_RANGE = (128, 32768)
+# The direct dispatch's grid is at most num_sms blocks (2 per channel, 64 channels).
+MAX_DIRECT_BLOCKS = 128
 
 
 class ConfigError(ValueError):
@@ -52,13 +54,19 @@ class TuningSection:
 
 
 @dataclass(frozen=True)
+class DispatchSection(TuningSection):
+    """The dispatch's chunk sizes, and how the direct dispatch spreads its rows over the SMs."""
+    direct_max_blocks: int = 16      # blocks of the direct dispatch at most (0: num_sms)
+    direct_chunk_tokens: int = 1     # tokens a warp of the direct dispatch claims at a time
+
+
+@dataclass(frozen=True)
 class BufferSection:
     max_hidden: int = 7168
     num_nvl_bytes: Union[int, str] = AUTO
     num_rdma_bytes: Union[int, str] = AUTO
     combine_staging_tokens: Union[int, str] = AUTO
     dispatch_output_bytes: Union[int, str] = AUTO
-    dispatch_copy_engine: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class NetworkSection:
     libfabric_provider: Optional[str] = None
     gid_index: Optional[int] = None
     traffic_class: Optional[int] = None
+    force_puts: bool = False  # the internode network leg puts even to NVLink peers (emulated nodes)
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ class EpConfig:
     check_inputs: bool = True
     log_level: str = "info"
     buffer: BufferSection = field(default_factory=BufferSection)
-    dispatch: TuningSection = field(default_factory=TuningSection)
+    dispatch: DispatchSection = field(default_factory=DispatchSection)
     combine: TuningSection = field(default_factory=TuningSection)
     low_latency: LowLatencySection = field(default_factory=LowLatencySection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -126,7 +135,7 @@ class EpConfig:
 
 _SECTIONS = {
     "buffer": BufferSection,
-    "dispatch": TuningSection,
+    "dispatch": DispatchSection,
     "combine": TuningSection,
     "low_latency": LowLatencySection,
     "topology": TopologySection,
@@ -227,14 +236,19 @@ def _validate_section(source: Optional[str], name: str, value: Any):
             raise _fail(source, f"{name}.{key}", f"unknown key; allowed: {', '.join(sorted(known))}")
     merged = {**dataclasses.asdict(cls()), **value}
     k = lambda sub: f"{name}.{sub}"  # noqa: E731
-    if cls is TuningSection:
-        for sub in sorted(known):
+    if issubclass(cls, TuningSection):
+        for sub in sorted(f.name for f in dataclasses.fields(TuningSection)):
             merged[sub] = _check_int(source, k(sub), merged[sub], minimum=1, maximum=1 << 16, allow_none=True)
         for leg in ("nvl", "rdma"):
             send, recv = merged[f"{leg}_chunked_send_tokens"], merged[f"{leg}_chunked_recv_tokens"]
             if send is not None and recv is not None and send > recv:
                 raise _fail(source, k(f"{leg}_chunked_send_tokens"),
                             f"must not exceed {leg}_chunked_recv_tokens ({recv}), got {send}")
+        if cls is DispatchSection:
+            merged["direct_max_blocks"] = _check_int(source, k("direct_max_blocks"), merged["direct_max_blocks"],
+                                                     minimum=0, maximum=MAX_DIRECT_BLOCKS)
+            merged["direct_chunk_tokens"] = _check_int(source, k("direct_chunk_tokens"),
+                                                       merged["direct_chunk_tokens"], minimum=1, maximum=1 << 16)
     elif cls is BufferSection:
         merged["max_hidden"] = _check_int(source, k("max_hidden"), merged["max_hidden"], minimum=8, maximum=1 << 20)
         for sub in ("num_nvl_bytes", "num_rdma_bytes"):
@@ -244,7 +258,6 @@ def _validate_section(source: Optional[str], name: str, value: Any):
                                                       allow_auto=True)
         merged["dispatch_output_bytes"] = _check_int(source, k("dispatch_output_bytes"),
                                                      merged["dispatch_output_bytes"], minimum=0, allow_auto=True)
-        merged["dispatch_copy_engine"] = _check_bool(source, k("dispatch_copy_engine"), merged["dispatch_copy_engine"])
     elif cls is LowLatencySection:
         merged["max_dispatch_tokens_per_rank"] = _check_int(
             source, k("max_dispatch_tokens_per_rank"), merged["max_dispatch_tokens_per_rank"], minimum=1, maximum=1 << 16)
@@ -286,6 +299,7 @@ def _validate_section(source: Optional[str], name: str, value: Any):
                                          allow_none=True)
         merged["traffic_class"] = _check_int(source, k("traffic_class"), merged["traffic_class"], minimum=0,
                                              maximum=255, allow_none=True)
+        merged["force_puts"] = _check_bool(source, k("force_puts"), merged["force_puts"])
     return cls(**merged)
 
 

@@ -65,7 +65,7 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
 # combine (no staging area) at more ranks, where the copy engines are slower (4x H200, BF16, 24 SMs:
-# 981.1-1038.7 us against 963.1, and 780.2 with the SM combine's 2 / 64 rings).
+# 981.1-1038.7 us against the SM combine's 780.2 with its 2 / 64 rings; docs/performance.md).
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 
@@ -221,7 +221,7 @@ class Config:
 
 def _default_config(num_sms: int, num_ranks: int) -> Config:
     # A sub-ring holds two publication chunks, so senders keep writing while receivers drain. Small
-    # rings measured fastest at 2 ranks (4/128 against 8/256 and 16/512).
+    # rings measured fastest at 2 ranks (4/128 against 8/256 and 16/512: docs/performance.md).
     if num_ranks <= 2:
         return Config(num_sms, 4, 128, 6, 128)
     if num_ranks <= NUM_MAX_NVL_PEERS:

@@ -126,7 +126,7 @@ def make_inputs(rank: int, R: int, case: dict, seed: int):
     topk_idx = make_routing(case.get("routing", "random"), T, E, K, R, gen).cuda()
     x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16)
     if case.get("unlanded_words"):
-        # 0xffffffff words: the staging areas' mark for bytes not landed yet (copy-engine rows).
+        # 0xffffffff words: the staging areas' mark for bytes not landed yet (copy-engine combine).
         x.view(torch.int32)[::3, :64] = -1
         x.view(torch.int32)[T // 2:T // 2 + 1] = -1
     x = x.cuda()

@@ -6,9 +6,10 @@ struct; backend selection keeps the reference for `auto` until the kernels are v
 GPU part (skipped without 2 GPUs or without the NVSHMEM module): one host emulates several nodes
 with `topology: {ranks_per_node: 1}` (2 GPUs = 2 nodes x 1 GPU), so the network leg runs between
 "nodes" through NVSHMEM (NVLink underneath: direct stores into the peer's rings, and, with
-EP_PLUGIN_NETWORK_PUTS=1, the staged puts with signal that a real network takes). 4-GPU variants (2 nodes x 2 GPUs, 4 x 1) run where 4
-GPUs exist. Every case draws fresh random data; routing metadata and copied payloads must be
-bit-identical to the reference, combine sums equal up to fp32 summation order.
+`network.force_puts: true`, the staged puts with signal that a real network takes). 4-GPU variants
+(2 nodes x 2 GPUs, 4 x 1) run where 4 GPUs exist. Every case draws fresh random data; routing
+metadata and copied payloads must be bit-identical to the reference, combine sums equal up to fp32
+summation order.
 
 Run on the GPU machine (2x H200):
     python3 -m pytest -q -x tests/test_native_internode.py
@@ -16,7 +17,6 @@ Run on the GPU machine (2x H200):
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -186,7 +186,7 @@ def _configs(num_sms: int, R: int):
 
 
 def make_buffers(group, ranks_per_node: int = 1, num_sms: int = 24, timeout_s: float = 30.0,
-                 check_inputs: bool = True):
+                 check_inputs: bool = True, force_puts: bool = False):
     R = group.size()
     num_nvl_bytes = max(c.get_nvl_buffer_size_hint(MAX_HIDDEN * 2, ranks_per_node) for c in _configs(num_sms, R))
     num_rdma_bytes = max(c.get_rdma_buffer_size_hint(MAX_HIDDEN * 2, R, ranks_per_node) for c in _configs(num_sms, R))
@@ -194,7 +194,8 @@ def make_buffers(group, ranks_per_node: int = 1, num_sms: int = 24, timeout_s: f
     # transport: nvlink -> NVSHMEM_REMOTE_TRANSPORT=none: the emulated nodes share one host.
     native = Buffer(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True,
                     config={"backend": "native", "transport": "nvlink", "num_sms": num_sms, "timeout_s": timeout_s,
-                            "check_inputs": check_inputs, "topology": topology})
+                            "check_inputs": check_inputs, "topology": topology,
+                            "network": {"force_puts": force_puts}})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference", "topology": topology})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
@@ -215,9 +216,7 @@ def cases_rank(rank: int, R: int, group, ranks_per_node: int, names, network_put
     """Runs the named cases. `network_puts`: the network leg stages and puts with signal (the code
     path of real RDMA) instead of storing straight into its NVLink peers."""
     torch.manual_seed(rank)
-    if network_puts:
-        os.environ["EP_PLUGIN_NETWORK_PUTS"] = "1"
-    native, reference = make_buffers(group, ranks_per_node)
+    native, reference = make_buffers(group, ranks_per_node, force_puts=network_puts)
     net = native._backend._net
     if net.puts_only != network_puts or (not network_puts and not all(net.direct_peers())):
         raise AssertionError(f"rank {rank}: network path is not the one under test (puts_only={net.puts_only}, "
@@ -260,7 +259,7 @@ def network_puts_results():
 @needs_gpus(2)
 @pytest.mark.parametrize("case", PUTS_CASE_NAMES)
 def test_emulated_two_nodes_through_network_puts(network_puts_results, case):
-    assert_case_passed(network_puts_results, case, "2 GPUs as 2 nodes x 1 GPU, EP_PLUGIN_NETWORK_PUTS=1")
+    assert_case_passed(network_puts_results, case, "2 GPUs as 2 nodes x 1 GPU, network.force_puts")
 
 
 @needs_gpus(4)

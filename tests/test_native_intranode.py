@@ -6,8 +6,6 @@ before native calls so that rows a kernel forgets to write show up as mismatches
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,7 +23,7 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
 def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
                  check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0,
-                 dispatch_copy_engine: bool = False):
+                 direct_chunk_tokens: int = 1):
     R = group.size()
     num_sms = min(num_sms, max_test_sms() or num_sms)
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
@@ -33,8 +31,8 @@ def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: f
                     config={"backend": "native", "num_sms": num_sms, "timeout_s": timeout_s,
                             "check_inputs": check_inputs,
                             "buffer": {"max_hidden": max_hidden, "combine_staging_tokens": combine_staging_tokens,
-                                       "dispatch_output_bytes": dispatch_output_bytes,
-                                       "dispatch_copy_engine": dispatch_copy_engine}})
+                                       "dispatch_output_bytes": dispatch_output_bytes},
+                            "dispatch": {"direct_chunk_tokens": direct_chunk_tokens}})
     reference = Buffer(group, explicitly_destroy=True, config={"backend": "reference"})
     assert native.backend_name == "native" and reference.backend_name == "reference"
     return native, reference
@@ -64,29 +62,18 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
     return "copy_engine" if staged else "sm"
 
 
-def staged_tokens_expected(native, case: dict, rank: int, R: int, share: int) -> int:
-    """How many of this rank's tokens (its last ones) cross NVLink by copy engine in `case`: `share`
-    percent of them, rounded up, but no more rows than fit its part of each peer's staging area
-    (staging bytes / (R - 1), in whole 256-byte units)."""
-    T = 0 if case.get("empty_rank") and rank == R - 1 else case["T"]
-    row_bytes = case["H"] * (1 if case.get("fp8") else 2)
-    peer_bytes = native._backend._staging_bytes // (R - 1) // 256 * 256
-    return min(-(-T * share // 100), peer_bytes // row_bytes, T)
-
-
-def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, expect_bulk_rows=None,
-               dispatch_output_bytes=0, expect_chunk_tokens=1, dispatch_copy_engine=False, ce_share=100) -> list:
+def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, dispatch_output_bytes=0,
+               direct_chunk_tokens=1) -> list:
     torch.manual_seed(rank)
     native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes,
-                                     dispatch_copy_engine=dispatch_copy_engine)
+                                     direct_chunk_tokens=direct_chunk_tokens)
     settings = as_config({"buffer": {"dispatch_output_bytes": dispatch_output_bytes}}).buffer
     expect_dispatch_path = "direct" if output_region_bytes(settings, R) > 0 else "rings"
-    if expect_bulk_rows is None:  # bulk copies wherever the GPU has them
-        expect_bulk_rows = torch.cuda.get_device_capability()[0] >= 9
-    assert native._backend._runtime.dispatch_bulk_rows == expect_bulk_rows
-    assert native._backend._runtime.direct_chunk_tokens == expect_chunk_tokens
-    assert native._backend._runtime.dispatch_ce_share == ce_share
+    # Bulk copies wherever the GPU has them (sm_90 on); before sm_90 the senders copy through registers.
+    assert native._backend._runtime.dispatch_bulk_rows == (torch.cuda.get_device_capability()[0] >= 9)
+    assert native._backend._runtime.direct_chunk_tokens == direct_chunk_tokens
+    assert native._backend._runtime.direct_max_blocks == 16
     done = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
         try:
@@ -97,12 +84,6 @@ def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, exp
             assert path == expect_dispatch_path, f"dispatch ran on the {path} path"
             if path == "direct":
                 assert not native._backend.direct_fell_back(), "the direct dispatch fell back to the rings"
-            want_staged = staged_tokens_expected(native, case, rank, R, ce_share) \
-                if dispatch_copy_engine and path == "direct" else 0
-            got_staged = native._backend.last_dispatch_staged_tokens
-            assert got_staged == want_staged, \
-                f"tokens whose rows went by copy engine: {got_staged}, expected {want_staged}"
-            assert native._backend.last_dispatch_copy_engine == (want_staged > 0)
         except Exception as error:
             raise AssertionError(f"case {case['name']} on rank {rank}: {error}") from error
         done.append(case["name"])
@@ -137,28 +118,10 @@ def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
     assert parallel_launch(RANKS, cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
 
 
-# The dispatch's senders copy rows through registers where bulk copies are missing (before sm_90):
-# the same path on this GPU, set by the environment of the spawned ranks.
-REGISTER_COPY_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "fp8_many_scales", "topk9", "routing_one_rank",
-                       "empty_rank", "small_ring", "sms16")
-
-
-def register_copy_cases_rank(rank: int, R: int, group, names) -> list:
-    os.environ["EP_PLUGIN_DISPATCH_BULK"] = "0"  # read when the native Buffer is created
-    return cases_rank(rank, R, group, names, expect_bulk_rows=False)
-
-
-@needs_ranks(RANKS)
-def test_cases_multi_rank_register_copies():
-    in_order = [c["name"] for c in CASES if c["name"] in REGISTER_COPY_CASES]
-    assert sorted(in_order) == sorted(REGISTER_COPY_CASES)
-    assert parallel_launch(RANKS, register_copy_cases_rank, in_order) == [in_order] * RANKS
-
-
 # The direct dispatch: every rank's outputs in its output region, written by the senders themselves.
 # The region holds the outputs a case keeps alive at once (a dispatch, its handle and a cached
 # dispatch: at most 2 x 4096 x R rows of 14336 bytes, and their metadata): 256 MB per rank.
-# (A region of 512 MB at 8 ranks makes `large` fall back to the rings.)
+# (A region of 512 MB at 8 ranks makes `large` fall back to the rings, correctly.)
 def direct_output_bytes(R: int) -> int:
     return R * (256 << 20)
 
@@ -174,64 +137,29 @@ def test_cases_multi_rank_direct_outputs():
     assert parallel_launch(RANKS, direct_cases_rank, names) == [names] * RANKS
 
 
-# The direct dispatch's warps claim chunks of tokens (EP_PLUGIN_DIRECT_CHUNK, default 1): chunks of 3
-# leave a partial last chunk and warps without tokens in the small cases; 0 gives each warp a fixed
-# share. Set in the spawned ranks' environment.
+# The direct dispatch's warps claim chunks of tokens (dispatch.direct_chunk_tokens, default 1): chunks
+# of 3 leave a partial last chunk and warps without tokens in the small cases.
 CHUNK_CASES = ("hidden7168", "fp8_hidden1536", "topk9", "routing_one_rank", "empty_rank", "large", "num_worst", "sms2",
                "sms48")
 
 
 def direct_chunk_cases_rank(rank: int, R: int, group, names, chunk_tokens) -> list:
-    os.environ["EP_PLUGIN_DIRECT_CHUNK"] = str(chunk_tokens)  # read when the native Buffer is created
     return cases_rank(rank, R, group, names, dispatch_output_bytes=direct_output_bytes(R),
-                      expect_chunk_tokens=chunk_tokens)
+                      direct_chunk_tokens=chunk_tokens)
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("chunk_tokens", [3, 0], ids=["chunks_of_3", "fixed_shares"])
-def test_cases_multi_rank_direct_outputs_chunks(chunk_tokens):
+def test_cases_multi_rank_direct_outputs_chunks_of_3():
     in_order = [c["name"] for c in CASES if c["name"] in CHUNK_CASES]
     assert sorted(in_order) == sorted(CHUNK_CASES)
-    assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, chunk_tokens) == [in_order] * RANKS
-
-
-# Copy-engine rows (buffer.dispatch_copy_engine): each rank's x goes whole into its peers' staging areas by
-# copy engine, and each rank's SMs move the rows it receives from its own area into recv_x as they land.
-# With the default staging area every case's x fits. With one of 1024 rows the larger cases' x does not:
-# those ranks stage the rows of their last tokens that fit, and their SMs store the first tokens' rows to
-# the peers, beside ranks whose x went whole (the empty rank's x never goes). EP_PLUGIN_DISPATCH_CE_SHARE
-# leaves the first tokens to the SMs by choice: 60% staged splits every case's x, 1% stages a token or a
-# few. unlanded_words puts the staging areas' not-landed mark into x.
-STAGED_X_OVERFLOW_CASES = ("large", "sms16", "hidden7168", "fp8_hidden7168", "empty_rank", "num_worst",
-                           "routing_one_rank", "unlanded_words")
-CE_SHARE_CASES = ("hidden7168", "fp8_hidden7168", "hidden1536", "topk9", "routing_one_rank", "empty_rank",
-                  "no_weights", "num_worst", "large", "sms2", "unlanded_words")
-
-
-def copy_engine_cases_rank(rank: int, R: int, group, names, combine_staging_tokens, ce_share) -> list:
-    os.environ["EP_PLUGIN_DISPATCH_CE_SHARE"] = str(ce_share)  # read when the native Buffer is created
-    return cases_rank(rank, R, group, names, combine_staging_tokens, dispatch_output_bytes=direct_output_bytes(R),
-                      dispatch_copy_engine=True, ce_share=ce_share)
-
-
-@needs_ranks(RANKS)
-@pytest.mark.parametrize("combine_staging_tokens,ce_share,names", [(4096, 100, tuple(c["name"] for c in CASES)),
-                                                                  (1024, 100, STAGED_X_OVERFLOW_CASES),
-                                                                  (4096, 60, CE_SHARE_CASES),
-                                                                  (4096, 1, CE_SHARE_CASES)],
-                         ids=["x_fits", "large_x_partly_by_sms", "share_60", "share_1"])
-def test_cases_multi_rank_copy_engine_dispatch(combine_staging_tokens, ce_share, names):
-    in_order = [c["name"] for c in CASES if c["name"] in names]
-    assert sorted(in_order) == sorted(names)
-    assert parallel_launch(RANKS, copy_engine_cases_rank, in_order, combine_staging_tokens, ce_share) == \
-        [in_order] * RANKS
+    assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, 3) == [in_order] * RANKS
 
 
 @needs_ranks(RANKS)
 def test_cases_multi_rank_auto_output_region():
     """The default `buffer.dispatch_output_bytes: auto` sizes a region at 1 to 4 ranks: the direct path there."""
     names = [c["name"] for c in CASES if c["name"] in ("hidden7168", "fp8_hidden7168", "num_worst", "large")]
-    assert parallel_launch(RANKS, cases_rank, names, 4096, None, "auto") == [names] * RANKS
+    assert parallel_launch(RANKS, cases_rank, names, 4096, "auto") == [names] * RANKS
 
 
 @needs_ranks(1)
@@ -240,15 +168,13 @@ def test_cases_one_rank_direct_outputs():
     assert parallel_launch(1, direct_cases_rank, names)[0] == names
 
 
-def region_full_cases_rank(rank: int, R: int, group, names, full_on, dispatch_copy_engine=False) -> list:
+def region_full_cases_rank(rank: int, R: int, group, names, full_on) -> list:
     """Cases on the direct path where, in the cases of `full_on`, the last rank's region is held full
     (a block of all but 1 MB): that rank passes ordinary outputs, and every rank must fall back to the
     rings in the same call, with exact results, no error and no wait. Returns whether each case's last
-    dispatch fell back. With copy-engine rows, the copies made before the kernel found the region full
-    must still land and the staging area be released for the next call."""
+    dispatch fell back."""
     torch.manual_seed(rank)
-    native, reference = make_buffers(group, dispatch_output_bytes=direct_output_bytes(R),
-                                     dispatch_copy_engine=dispatch_copy_engine)
+    native, reference = make_buffers(group, dispatch_output_bytes=direct_output_bytes(R))
     region = native._backend._outputs
     fell_back = []
     for i, case in enumerate(c for c in CASES if c["name"] in names):
@@ -268,10 +194,9 @@ def region_full_cases_rank(rank: int, R: int, group, names, full_on, dispatch_co
 
 
 @needs_ranks(RANKS)
-@pytest.mark.parametrize("dispatch_copy_engine", [False, True], ids=["sm_rows", "copy_engine_rows"])
-def test_direct_outputs_fall_back_together_when_a_region_is_full(dispatch_copy_engine):
+def test_direct_outputs_fall_back_together_when_a_region_is_full():
     names = ("hidden7168", "fp8_hidden7168", "topk9")  # in CASES order
-    results = parallel_launch(RANKS, region_full_cases_rank, names, ("hidden7168", "topk9"), dispatch_copy_engine)
+    results = parallel_launch(RANKS, region_full_cases_rank, names, ("hidden7168", "topk9"))
     assert results == [[True, False, True]] * RANKS
 
 

@@ -65,3 +65,28 @@ def test_default_buffer_for_deepseek_sizes_stays_small():
     # 7168 bf16 hidden, 24 SMs, two ranks: tens of MB, not a GB.
     size = Config(24, 8, 64).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert size < 32 << 20
+
+
+ARGS_STRUCTS = [("_C", name) for name in ("NotifyArgs", "DispatchArgs", "CombineArgs", "StagedReduceArgs")] + \
+    [("_C_nvshmem", name) for name in ("DispatchArgs", "CombineArgs", "InternodeNotifyArgs", "InternodeDispatchArgs",
+                                       "InternodeCombineArgs")]
+
+
+@pytest.mark.parametrize("module,name", ARGS_STRUCTS, ids=[f"{m}.{n}" for m, n in ARGS_STRUCTS])
+def test_args_structs_start_empty_and_keep_what_python_sets(module, name):
+    """Python fills the kernels' Args structs field by field: integers as they are, tensors as addresses."""
+    extension = pytest.importorskip(f"ep_plugin.{module}", reason=f"ep_plugin.{module} is not built here")
+    args = getattr(extension, name)()
+    fields = [f for f in dir(args) if not f.startswith("_")]
+    assert fields and all(getattr(args, f) == 0 for f in fields), "a new Args struct must be all zeros"
+    # Flags take True; every other field a distinct multiple of 256 (an aligned address or a count).
+    wanted = {f: True if isinstance(getattr(args, f), bool) else 256 * i for i, f in enumerate(fields, start=1)}
+    for field, value in wanted.items():
+        setattr(args, field, value)
+    assert {f: getattr(args, f) for f in fields} == wanted
+
+
+def test_row_layout_packs_what_notify_compares():
+    word = _C.pack_row_layout(14336, 56, 8, True)
+    assert word >> 32 == 14336 and (word >> 8) & 0xFFFFFF == 56 and (word >> 1) & 0x7F == 8 and word & 1 == 1
+    assert _C.pack_row_layout(14336, 56, 8, False) == word - 1

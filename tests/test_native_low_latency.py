@@ -415,9 +415,8 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "unrouted": lambda: ll_case(ctx, 13, routing="unrouted", H=2048),
         "zero_tokens_one_rank": lambda: ll_case(ctx, 14, empty_ranks=(0,), use_fp8=True, H=2048),
         "zero_tokens_everywhere": lambda: ll_case(ctx, 15, T=0, hook=True, H=2048),
-        # Token counts differ by rank and stay within T_max at any rank count (37 .. 117 at 8 ranks): at 8
-        # ranks 37 + 20 * rank went past 128, those ranks raised before their dispatch, and the others' then
-        # met their next call's.
+        # Token counts differ by rank and stay within T_max at any rank count (37 .. 117 at 8 ranks): a rank
+        # past T_max raises before its dispatch, and the others' dispatches would meet its next call's.
         "fewer_tokens_than_t_max": lambda: ll_case(ctx, 16, T=37 + (20 * ctx.rank) % 91, use_fp8=True),
         "small_t_max": lambda: ll_case(ctx, 17, t_max=1, use_fp8=True, round_scale=True),
         "mask_after_dispatch": lambda: ll_case(ctx, 18, mask_after=True, use_fp8=True, H=2048),
@@ -487,7 +486,7 @@ def low_latency_worker(rank: int, R: int, group, seed: int, partials: str = "bf1
 
 @pytest.fixture(scope="module")
 def launch():
-    # NOTE: well under the GPU session's 300 s for this file (benchmarks/gpu_session.sh, stage ll): a
+    # NOTE: well under the 300 s a GPU run gives this file: a
     # rank left waiting in NCCL after its peer trapped must fail this launch, not get pytest killed.
     return parallel_launch(RANKS, low_latency_worker, BASE_SEED, timeout_s=200)
 

@@ -162,13 +162,6 @@ def test_config_key_dispatch_output_bytes():
         as_config({"buffer": {"dispatch_output_bytes": -1}})
 
 
-def test_config_key_dispatch_copy_engine():
-    assert as_config({}).buffer.dispatch_copy_engine is False
-    assert as_config({"buffer": {"dispatch_copy_engine": True}}).buffer.dispatch_copy_engine is True
-    with pytest.raises(ConfigError, match="dispatch_copy_engine"):
-        as_config({"buffer": {"dispatch_copy_engine": "yes"}})
-
-
 def test_auto_output_region_holds_two_dispatches_up_to_four_ranks():
     buffer = as_config({"buffer": {"max_hidden": 7168}}).buffer
     row = 2 * 7168 + 4 * 56 + 12 * tuning.MAX_TOPK + 4

@@ -11,19 +11,11 @@
 
 namespace ep_plugin {
 
-// Diagnostic builds may change the pipeline's shape (EP_PLUGIN_NVCC_FLAGS="-DEP_PLUGIN_BULK_STAGES=8
-// -DEP_PLUGIN_BULK_PIECE_BYTES=1792", the shape before the twenty-third session); its shared memory must
-// stay within a block's 227 KB. The cost is per piece, not per byte: 4 pieces of 3584 bytes with 2 loads
-// ahead beat 8 of 1792 with 6 ahead (docs/benchmarks.md, twentieth and twenty-third sessions).
-#ifndef EP_PLUGIN_BULK_STAGES
-#define EP_PLUGIN_BULK_STAGES 4
-#endif
-#ifndef EP_PLUGIN_BULK_PIECE_BYTES
-#define EP_PLUGIN_BULK_PIECE_BYTES 3584
-#endif
-constexpr int kBulkStages = EP_PLUGIN_BULK_STAGES;  // pieces of shared memory per warp
-constexpr int kBulkLoadsAhead = kBulkStages - 2;    // one stage being stored, one still read by the store before it
-constexpr int kBulkMaxPieceBytes = EP_PLUGIN_BULK_PIECE_BYTES;
+// The pipeline's shared memory must stay within a block's 227 KB. The cost is per piece, not per byte:
+// 4 pieces of 3584 bytes with 2 loads ahead beat 8 of 1792 with 6 ahead (docs/performance.md).
+constexpr int kBulkStages = 4;                    // pieces of shared memory per warp
+constexpr int kBulkLoadsAhead = kBulkStages - 2;  // one stage being stored, one still read by the store before it
+constexpr int kBulkMaxPieceBytes = 3584;
 static_assert(kBulkStages >= 3 && kBulkMaxPieceBytes % 16 == 0, "the bulk pipeline needs 3 stages of 16-byte multiples");
 
 // Dynamic shared memory for `warps` warps: their stages, then their mbarriers.
@@ -84,25 +76,14 @@ class WarpBulkRows {
       const int item = k * pieces_ + p;
       issue_loads_through(item + kBulkLoadsAhead, tokens);
       const int stage = item % kBulkStages;
-#ifdef EP_PLUGIN_PHASE_PROFILE
-      const long long wait_start = clock64();
-#endif
       while (!mbarrier_try_wait(&bars_[stage], (item / kBulkStages) & 1)) {
       }
-#ifdef EP_PLUGIN_PHASE_PROFILE
-      load_wait_cycles += clock64() - wait_start;
-#endif
       if (dst != nullptr) bulk_store(dst + p * piece_bytes_, stages_ + stage * kBulkMaxPieceBytes, bytes_of(p));
       // NOTE: every lane commits a group per piece (empty without a store), so that the group
       // count is the piece count in every lane.
       bulk_commit_group();
     }
   }
-
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  // Diagnostic build: cycles this lane waited for its loads (mbarriers) and for its stores' reads.
-  long long load_wait_cycles = 0, store_wait_cycles = 0;
-#endif
 
  private:
   __device__ int bytes_of(int piece) const { return min(piece_bytes_, row_bytes_ - piece * piece_bytes_); }
@@ -113,13 +94,7 @@ class WarpBulkRows {
   __device__ void issue_loads_through(int last, const Tokens& tokens) {
     if (issued_ > last) return;
     // The stages of these items last held items <= item - 2: only the newest group may still read.
-#ifdef EP_PLUGIN_PHASE_PROFILE
-    const long long wait_start = clock64();
     bulk_wait_read<1>();
-    store_wait_cycles += clock64() - wait_start;
-#else
-    bulk_wait_read<1>();
-#endif
     __syncwarp();
     int item = issued_;
     if (lane_id() == 0) {

@@ -42,8 +42,6 @@ enum WaitKind : int32_t {
   kWaitTokenPartials = 8,   // low-latency combine with expert-side sums: a peer's partial for a token
   kWaitPeerOutputs = 9,     // direct dispatch: the peer has not said where its outputs are (not in the call)
   kWaitPeerRows = 10,       // direct dispatch: the peer has not finished writing its rows here
-  kWaitStagedDispatchRows = 11,  // direct dispatch, copy-engine rows: the peer's copy has not landed
-  kWaitPeerMetadata = 12,   // direct dispatch, copy-engine rows: the peer has not written its source indices
 };
 
 struct DeviceStatus {

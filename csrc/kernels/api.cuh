@@ -69,27 +69,12 @@ struct DispatchArgs {
   int32_t* recv_src_idx;            // [rows] or nullptr
   int num_worst_tokens;             // > 0: rows past *num_recv_tokens are padding
   const int32_t* num_recv_tokens;   // [1]
-  int self_copy_receiver_rounds;    // of every self_copy_period rounds of a sender warp's tokens, how many
-  int self_copy_period;             // have their own-rank rows copied by the receiver blocks (0 of 1: none)
-  bool late_scales;                 // load FP8 scales after the row copy (diagnostic; default: before it)
   bool bulk_rows;                   // senders copy rows by bulk copies through shared memory (sm_90 on;
                                     // a build without sm_90 code copies through registers)
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
+  int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (>= 1)
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
-  int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (0: fixed equal shares)
-  bool direct_block_fence_sys;      // direct dispatch (diagnostic): every block fences at system scope
-  bool direct_acquire_exchange_loads; // direct dispatch (diagnostic): acquire loads of the peers' output offsets
-  // Direct dispatch with copy-engine rows (IntranodeRuntime::direct_dispatch): the last staged_tokens rows
-  // of each rank's x went into its peers' staging areas by copy engine, and every rank's SMs move the rows
-  // it receives from there. Rows of the tokens before those go to the peers by SM stores.
-  uint32_t staged_epoch;            // > 0: this call's number in the staging area's sequence; 0: no copy engine
-  int staged_tokens;                // this rank's last tokens whose rows its peers get by copy engine (0: none)
-  int64_t staging_offset;           // where the staging area starts in every rank's buffer
-  int64_t staging_peer_bytes;       // bytes per source in it (source s's staged row t at (t - first) * row_bytes,
-                                    // first = the source's first staged token)
-  const int32_t* recv_rank_offsets; // [R + 1]: first received row of each source (copy-engine rows)
-  const int32_t* cached_src_idx;    // [rows]: source token of each received row (cached dispatch), or nullptr
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
@@ -122,7 +107,7 @@ struct CombineArgs {
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
-// ---- copy-engine combine (intranode_staged_combine.cu; the copies are issued by runtime.cu) ---------
+// ---- copy-engine combine (intranode_staged_combine.cu; its host side in staged_combine.cu) --------
 struct StagedReduceArgs {
   void* const* peer_buffers;
   int rank, num_ranks;
@@ -136,28 +121,16 @@ struct StagedReduceArgs {
   const void* bias_1;
   void* combined_x;                 // [T, hidden] bf16
   float* combined_topk_weights;     // [T, K] or nullptr
-  bool pair_path;                   // tokens with at most two copies take sum_own_and_staged
-  bool early_rows;                  // first-round rows are summed as they land (see kUnlandedWord)
-  // The sender's side in this kernel (needs early_rows): once owner o has released its staging area, the
-  // kernel writes o's staged_rows/base words and, where they fit whole, stores this rank's top-k weights
-  // for o, then o's staged_weights_landed word. Otherwise the copy streams do both.
-  bool sender_kernel;
+  // The sender's side runs in this kernel too: once owner o has released its staging area, the kernel
+  // writes o's staged_rows/base words and, where they fit whole, stores this rank's top-k weights for o,
+  // then o's staged_weights_landed word; else the weights go with each piece by copy. First-round rows
+  // are summed as they land (see kUnlandedWord).
   int send_first[kMaxNvlPeers];     // [owner]: this rank's first row for owner (rows are ordered by source)
   int send_rows[kMaxNvlPeers];      // [owner]: rows this rank sends back to owner
-  int prefetch_rows;                // L2 prefetches of the rows to sum: 0 none, 1 the token's, 2 also the next one's
-  // 1: each warp loads its next token's positions a token ahead, and no slot counts where no slot is
-  // reused; 2: also, on the 2-copy path, a token's weights are loaded before its rows (summed after).
-  int overlap_loads;
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
 void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStream_t stream);
-
-// A word to write, with release semantics, once a wait is over (word nullptr: nothing).
-struct WordWrite {
-  uint64_t* word = nullptr;
-  uint64_t value = 0;
-};
 
 // One thread waits until *word >= target: a sender's view of an owner's progress (peer = the owner).
 struct StagingWaitArgs {
@@ -165,7 +138,6 @@ struct StagingWaitArgs {
   uint64_t target;
   int peer, slot;                   // slot: the staging slot waited for, or -1 (the whole area)
   int rank;
-  WordWrite then_write[2];          // written once the wait is over
   DeviceStatus* status;
   int* claim;
   uint64_t timeout_ns;

@@ -75,11 +75,11 @@ struct Header {
   uint64_t heads[kMaxNvlPeers][kMaxChannels][kWarpsPerChannel];    // [dst][c][w]: written by dst
   NotifyBlock notify[2][kMaxNvlPeers];                             // [epoch parity][src]
   // Copy-engine combine; words are (combine epoch << 32) | value. Each word lives with its waiter.
-  // Written by the copy streams of sender src, into this (the owner's) header:
+  // Written by the signal streams of sender src, into this (the owner's) header:
+  uint64_t staged_landed[kMaxNvlPeers];                   // [src]: rows src has copied here (in order)
+  // Written by the reduction kernel of sender src, into this header:
   uint64_t staged_base[kMaxNvlPeers];                     // [src]: src's first row of this rank's block
   uint64_t staged_rows[kMaxNvlPeers];                     // [src]: rows src sends back to this rank
-  uint64_t staged_landed[kMaxNvlPeers];                   // [src]: rows src has copied here (in order)
-  // Written by the reduction kernel of sender src (StagedReduceArgs::sender_kernel), into this header:
   uint64_t staged_weights_landed[kMaxNvlPeers];           // [src]: count 1 once src's top-k weights are all here
   // Written by the owner dst's reduction kernel, into this (the sender's) header:
   uint64_t staged_freed[kMaxNvlPeers][kMaxStagingSlots];  // [dst][slot]: piece + 1 dst has read
@@ -90,8 +90,6 @@ struct Header {
                                                // they are in dst's region, 0 when dst had no room (all fall back)
   // Written by rank src, into this (a destination's) header:
   uint64_t direct_done[kMaxNvlPeers];          // [src]: epoch whose rows src has all written here
-  uint64_t direct_metadata_done[kMaxNvlPeers];  // [src]: epoch whose metadata src has all written here
-                                                // (copy-engine rows: the receiver moves them by source index)
   // Local state, touched only by this rank's kernels.
   uint32_t notify_epoch;
   uint32_t op_epoch;
@@ -99,8 +97,6 @@ struct Header {
   int32_t error_claim;
   uint32_t direct_fell_back;  // 1: the last direct dispatch found a rank without room; the ring kernel runs
   uint32_t direct_next_chunk;  // chunks of tokens the direct dispatch's warps have claimed in this call
-  uint32_t direct_next_move;   // staged rows the direct dispatch's warps have claimed in this call
-  uint32_t metadata_blocks_done;  // blocks of the direct dispatch past their metadata
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
   uint32_t weights_blocks_done[kMaxNvlPeers];  // [dst]: blocks of this rank's reduction past their share of dst's weights
 };
@@ -197,14 +193,6 @@ struct StagingLayout {
     return rows_capacity() * row_bytes + index * num_topk * 4;
   }
 };
-
-// Copy-engine dispatch rows: where writer's staged rows land in owner's staging area, which gives each
-// writing peer `peer_bytes`. A writer stages the rows of its last tokens: from its first staged token f on,
-// row t at (t - f) * row_bytes from there.
-__host__ __device__ inline int64_t staged_x_offset(int64_t staging_offset, int64_t peer_bytes, int owner, int writer) {
-  const int peer_index = writer < owner ? writer : writer - 1;
-  return staging_offset + peer_index * peer_bytes;
-}
 
 // Bytes a buffer needs for `payload_bytes` per token (Config.get_nvl_buffer_size_hint).
 __host__ __device__ inline int64_t nvl_buffer_size_hint(int64_t payload_bytes, int num_ranks, int num_sms,

@@ -51,9 +51,9 @@ __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int nu
 // of their own; an FP8 row (7 KB) is only two.
 constexpr int kEarlyScalesPerLane = 4;
 
-// Scales [0, num_early) are loaded early: min(num_scales, 32 * kEarlyScalesPerLane), or 0 (diagnostic).
+// Scales [0, num_early) are loaded early: min(num_scales, 32 * kEarlyScalesPerLane).
 __device__ __forceinline__ int early_scale_count(const DispatchArgs& a) {
-  return a.late_scales ? 0 : min(a.num_scales, 32 * kEarlyScalesPerLane);
+  return min(a.num_scales, 32 * kEarlyScalesPerLane);
 }
 
 template <Load kLoad>

@@ -33,7 +33,7 @@
 //     carries the chunk's consecutive slots and adds its count.
 //   Before a wait for a free slot the sender announces what it holds, so no chunk size can
 //   deadlock. `Common::puts_only` forces the network path even where nvshmem_ptr reaches the
-//   peer (EP_PLUGIN_NETWORK_PUTS=1: runs the RDMA code path on an NVLink-only machine).
+//   peer (YAML network.force_puts: runs the RDMA code path on an NVLink-only machine).
 //
 // Notify (per non-cached dispatch): every rank puts its per-(destination node, channel) token
 // counts to each column peer (parity-double-buffered slots, a signal word per source that only

@@ -14,17 +14,10 @@
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "intranode_common.cuh"
-#include "intranode_profile.cuh"
 #include "dispatch_rows.cuh"
 
 namespace ep_plugin::intranode {
 namespace {
-
-// Whether the receiver blocks (not the senders) copy this rank's own rows of a warp's `round`-th token:
-// rounds r with r % self_copy_period < self_copy_receiver_rounds (the senders are the busier side).
-__device__ __forceinline__ bool own_row_by_receiver(const DispatchArgs& a, int round) {
-  return round % a.self_copy_period < a.self_copy_receiver_rounds;
-}
 
 template <bool kBulk>
 __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
@@ -56,9 +49,8 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
   // NOTE: the next token's positions are loaded one iteration ahead; the loop is latency-bound.
   auto load_pos = [&](int t) { return lane < R && t < token_end ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int next_pos = load_pos(token_begin + warp);
-  WarpPhases phases;
   for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
-    const int pos = lane == a.rank && own_row_by_receiver(a, (t - token_begin) / kWarpsPerChannel) ? -1 : next_pos;
+    const int pos = next_pos;
     next_pos = load_pos(t + kWarpsPerChannel);
     const uint32_t dst_mask = __ballot_sync(0xffffffffu, pos >= 0);
     const int round = (t - token_begin - warp) / kWarpsPerChannel;
@@ -73,8 +65,6 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
         has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
 
     // Reserve the next slot of each remote ring (wait while the ring is full).
-    phases.item();
-    phases.begin();
     uint8_t* slot = nullptr;
     if (owns_ring && pos >= 0) {
       if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
@@ -94,8 +84,6 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
       slot = ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes;
     }
 
-    phases.end(0);
-    phases.begin();
     // Destinations: this rank's recv_x row, and each remote slot's payload.
     const int self_row = shfl(pos, a.rank);
     uint8_t* dst[kMaxNvlPeers];
@@ -153,16 +141,12 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 
     // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
     __syncwarp();
-    phases.end(1);
-    phases.begin();
     if (owns_ring && pos >= 0 && ++sent - published >= chunk) {
       rows.complete();
       st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
     }
     __syncwarp();
-    phases.end(2);
   }
-  phases.begin();
 
   // Tell each receiver how many tokens this warp sent, then wait until it consumed them all, so
   // that no peer touches this rank's counters or rings for this epoch after the kernel ends.
@@ -178,8 +162,6 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
     }
   }
   __syncwarp();
-  phases.end(3);
-  phases.store();
 }
 
 __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot) {
@@ -204,27 +186,6 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
   if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ld_cg_s32(&meta->src_token);
 }
 
-// Token t's row for this rank itself (if it has one): x to recv_x and its metadata, all local.
-__device__ void copy_own_token(const DispatchArgs& a, int t) {
-  const int lane = lane_id();
-  const int row = a.send_pos[static_cast<int64_t>(t) * a.num_ranks + a.rank];
-  if (row < 0) return;
-  int4* const out[1] = {reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes)};
-  warp_copy_units_to_all<Load::kReadOnly>(
-      out, reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(t) * a.row_bytes),
-      a.row_bytes / 16);
-  for (int i = lane; i < a.num_scales; i += 32)
-    a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = a.x_scales[static_cast<int64_t>(t) * a.num_scales + i];
-  if (a.num_topk > 0 && lane < a.num_topk) {
-    const int64_t at = static_cast<int64_t>(t) * a.num_topk + lane;
-    const int32_t local_id = local_expert_id(a.topk_idx[at], a.rank, a.num_local_experts);
-    a.recv_topk_idx[static_cast<int64_t>(row) * a.num_topk + lane] = local_id;
-    if (a.recv_topk_weights != nullptr)
-      a.recv_topk_weights[static_cast<int64_t>(row) * a.num_topk + lane] = local_id >= 0 ? a.topk_weights[at] : 0.f;
-  }
-  if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = t;
-}
-
 __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                   int channel, int warp, const WaitSite& site) {
   const int lane = lane_id();
@@ -242,20 +203,7 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
   uint32_t consumed = 0, available = 0;
   bool finished = !owns_ring, sender_done = false;
   Deadline deadline(site);
-  // This warp also copies the own-rank rows of its share of the tokens that this rank's sender warp
-  // of the same (channel, warp) takes (own_row_by_receiver), one between polls of the rings.
-  int own_begin, own_end;
-  channel_token_range(a.num_tokens, a.num_channels, channel, own_begin, own_end);
-  int own_round = 0;
-  auto next_own_token = [&]() {
-    while (own_begin + warp + own_round * kWarpsPerChannel < own_end && !own_row_by_receiver(a, own_round)) ++own_round;
-    return own_begin + warp + own_round * kWarpsPerChannel;
-  };
-  int own_token = next_own_token();
-
-  WarpPhases phases;
-  while (!__all_sync(0xffffffffu, finished) || own_token < own_end) {
-    phases.begin();
+  while (!__all_sync(0xffffffffu, finished)) {
     if (!finished) {
       const uint64_t word = ld_acquire_sys(tail);
       if (counter_epoch(word) == epoch) {
@@ -274,17 +222,8 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
         copy_slot_to_outputs(a, src_ring + static_cast<int64_t>(i % layout.slots) * layout.slot_bytes);
       progressed |= end != begin;
     }
-    if (own_token < own_end) {
-      copy_own_token(a, own_token);
-      ++own_round;
-      own_token = next_own_token();
-      progressed = true;
-    }
     __syncwarp();
     const bool any_progress = __any_sync(0xffffffffu, progressed);
-    phases.end(any_progress ? 1 : 0);
-    if (any_progress) phases.item();
-    phases.begin();
     if (!finished) {
       if (available != consumed || sender_done) {
         consumed = available;
@@ -293,14 +232,12 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
       }
     }
     __syncwarp();
-    phases.end(2);
     if (any_progress) {
       deadline.restart();
     } else if (!finished) {
       deadline.check(kWaitData, lane, consumed + 1, available);
     }
   }
-  phases.store();
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchArgs args) {
@@ -321,9 +258,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
                           slot_bytes_for(payload_bytes)};
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank, channel, warp};
 
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  const uint64_t start_ns = global_timer_ns();
-#endif
   if (is_sender) {
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
     if (args.bulk_rows) dispatch_sender<true>(args, layout, me, epoch, channel, warp, site, shared);
@@ -335,11 +269,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
     dispatch_receiver(args, layout, me, epoch, channel, warp, site);
   }
   finish_operation(me, epoch);
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  const char* const sender_phases[kNumWarpPhases] = {"ring_wait", "copy", "publish", "drain"};
-  const char* const receiver_phases[kNumWarpPhases] = {"idle_polls", "copy", "publish", nullptr};
-  report_warp_phases(args.rank, sender_phases, receiver_phases, start_ns);
-#endif
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 //
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, on one stream
-// per owner; after each copy a signal stream counts the rows landed in o's header (runtime.cu). No
+// per owner; after each copy a signal stream counts the rows landed in o's header (staged_combine.cu). No
 // SM moves a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
 // (send_to_owners: the words that tell o where its rows are, and its top-k weights) and then, as
 // owner, takes tokens in order warp by warp, sums each token's staged copies with its own copy as
@@ -140,7 +140,7 @@ __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, co
   const int slot = piece % layout.num_slots;
   unlanded = 0;
   if (state.landed <= index) {
-    if (a.early_rows && piece < layout.num_slots) {
+    if (piece < layout.num_slots) {
       unlanded = static_cast<uint32_t>(index + 1);
     } else {
       // One copy stream per owner: copies land in order, and the word counts the rows landed.
@@ -199,7 +199,7 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
   return sum;
 }
 
-// The sender's side of a combine in its reduction kernel (StagedReduceArgs::sender_kernel): for each owner,
+// The sender's side of a combine in its reduction kernel: for each owner,
 // once the owner has released its staging area (its reads of the previous combine are over), block 0 tells
 // it where this rank's rows start and how many there are, and every block stores its share of the top-k
 // weights for it; the last block done sets the owner's weights-landed word. The weights then need no copy
@@ -240,11 +240,10 @@ __device__ void send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
   }
 }
 
-// Lane r < R: L2 prefetches of the copy from rank r of token t (own: user memory) and, with prefetch_rows
-// 2, of the warp's next token, whose staged row is prefetched only where it is known (first round of slots).
+// Lane r < R: an L2 prefetch of the copy from rank r of the token (own: user memory). Prefetching the
+// warp's next token as well measured slower.
 __device__ __forceinline__ void prefetch_rows(const StagedReduceArgs& a, const StagingLayout& layout,
-                                              const SourceState& state, const uint8_t* region, int t, int pos,
-                                              int64_t staged, int num_warps) {
+                                              const uint8_t* region, int pos, int64_t staged) {
   const int lane = lane_id();
   if (lane >= a.num_ranks) return;
   const uint32_t row_bytes = static_cast<uint32_t>(layout.row_bytes);
@@ -252,23 +251,11 @@ __device__ __forceinline__ void prefetch_rows(const StagedReduceArgs& a, const S
   if (pos >= 0 && (lane == a.rank || staged >= 0))
     prefetch_to_l2(lane == a.rank ? own + static_cast<int64_t>(pos) * row_bytes : region + layout.row_offset(staged),
                    row_bytes);
-  const int next = t + num_warps;
-  if (a.prefetch_rows < 2 || next >= a.num_tokens) return;
-  const int next_pos = a.send_pos[static_cast<int64_t>(next) * a.num_ranks + lane];
-  if (next_pos < 0) return;
-  if (lane == a.rank) {
-    prefetch_to_l2(own + static_cast<int64_t>(next_pos) * row_bytes, row_bytes);
-    return;
-  }
-  const int index = next_pos - state.base;
-  if (!state.known || index / layout.rows_per_piece >= layout.num_slots) return;
-  prefetch_to_l2(region + layout.row_offset(index), row_bytes);
 }
 
-// kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged).
-// kWeightsAfter (2-copy path, overlap_loads 2): a token's weights are loaded before its rows and summed
-// after them. NOTE: a kernel of its own: the registers it holds across the rows' sum spill a little.
-template <bool kPair, bool kWeightsAfter>
+// kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged);
+// a token's weights are loaded before its rows and summed after them, so that their latency overlaps.
+template <bool kPair>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(StagedReduceArgs a) {
   Header* me = header_of(a.peer_buffers, a.rank);
   const int lane = lane_id();
@@ -285,29 +272,26 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
   constexpr int kSources = kPair ? 2 : kMaxNvlPeers;  // ranks whose copies a token may have
-  if (a.sender_kernel) send_to_owners(a, layout, me, site);
+  send_to_owners(a, layout, me, site);
 
   // Warps take tokens in order across the grid, so the first rows to land are summed first.
   const int num_warps = gridDim.x * kWarpsPerChannel;
-  // overlap_loads: the next token's positions are loaded a token ahead.
+  // The next token's positions are loaded a token ahead.
   const int first_token = blockIdx.x * kWarpsPerChannel + warp;
-  int pos_ahead = a.overlap_loads > 0 && lane < R && first_token < a.num_tokens
-                      ? a.send_pos[static_cast<int64_t>(first_token) * R + lane] : -1;
+  int pos_ahead = lane < R && first_token < a.num_tokens ? a.send_pos[static_cast<int64_t>(first_token) * R + lane] : -1;
   for (int t = first_token; t < a.num_tokens; t += num_warps) {
-    int pos = pos_ahead;
-    if (a.overlap_loads == 0) pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
-    else if (lane < R && t + num_warps < a.num_tokens)
-      pos_ahead = a.send_pos[static_cast<int64_t>(t + num_warps) * R + lane];
+    const int pos = pos_ahead;
+    if (lane < R && t + num_warps < a.num_tokens) pos_ahead = a.send_pos[static_cast<int64_t>(t + num_warps) * R + lane];
     int piece = -1;
     int64_t staged = -1, weights_index = -1;
     uint32_t unlanded = 0;
     if (is_source && pos >= 0)
       staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site);
-    if (a.prefetch_rows > 0) prefetch_rows(a, layout, state, region, t, pos, staged, num_warps);
+    prefetch_rows(a, layout, region, pos, staged);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
     const uint32_t weights_by_kernel =
-        __ballot_sync(0xffffffffu, staged >= 0 && a.sender_kernel && layout.weights_fit_whole(state.rows, a.num_topk));
+        __ballot_sync(0xffffffffu, staged >= 0 && layout.weights_fit_whole(state.rows, a.num_topk));
 
     const int4* src[kSources];
     const float* src_weights[kSources];
@@ -338,34 +322,25 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       const bool first = a.rank == 0;
       const int other = first ? 1 : 0;
       const Landing landing = landing_of(a, me, other, first ? unlanded_of[1] : unlanded_of[0]);
-      if constexpr (kWeightsAfter) {
-        // The weights' loads go out before the rows' and are summed after them: their latency overlaps.
-        const float* own_weight = has_weights ? (first ? src_weights[0] : src_weights[1]) : nullptr;
-        const float* staged_weight = has_weights ? (first ? src_weights[1] : src_weights[0]) : nullptr;
-        const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
-        float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
-        const uint32_t copies = (own_weight != nullptr ? 1u : 0u) | (staged_weight != nullptr ? 2u : 0u);
-        sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
-        if (has_weights) {
-          const bool stored = (weights_by_kernel >> other) & 1u;
-          if ((copies & 2u) && (stored || !landing.known()) && has_unlanded_word(staged_value))
-            staged_value = wait_for_landed(staged_weight + lane,
-                                           stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
-                                                  : landing, site);
-          // In rank order from zero, as sum_staged_weights adds them.
-          float sum = 0.f;
-          if (first && (copies & 1u)) sum += own_value;
-          if (copies & 2u) sum += staged_value;
-          if (!first && (copies & 1u)) sum += own_value;
-          a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
-        }
-      } else {
-        // The weights first: their arrays are then dead during the rows' sum.
-        if (a.combined_topk_weights != nullptr) {
-          const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site);
-          if (has_weights) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
-        }
-        sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
+      // The weights' loads go out before the rows' and are summed after them: their latency overlaps.
+      const float* own_weight = has_weights ? (first ? src_weights[0] : src_weights[1]) : nullptr;
+      const float* staged_weight = has_weights ? (first ? src_weights[1] : src_weights[0]) : nullptr;
+      const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
+      float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
+      const uint32_t copies = (own_weight != nullptr ? 1u : 0u) | (staged_weight != nullptr ? 2u : 0u);
+      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
+      if (has_weights) {
+        const bool stored = (weights_by_kernel >> other) & 1u;
+        if ((copies & 2u) && (stored || !landing.known()) && has_unlanded_word(staged_value))
+          staged_value = wait_for_landed(staged_weight + lane,
+                                         stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
+                                                : landing, site);
+        // In rank order from zero, as sum_staged_weights adds them.
+        float sum = 0.f;
+        if (first && (copies & 1u)) sum += own_value;
+        if (copies & 2u) sum += staged_value;
+        if (!first && (copies & 1u)) sum += own_value;
+        a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
       }
     } else {
       if (a.combined_topk_weights != nullptr) {
@@ -381,8 +356,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     }
     __syncwarp();
     // NOTE: with every row of the source in the first round of slots no slot is reused, so nobody
-    // waits for the count (overlap_loads skips its atomic round trip).
-    if (piece >= 0 && !(a.overlap_loads > 0 && state.rows <= layout.rows_capacity()))
+    // waits for the count (its atomic round trip is skipped).
+    if (piece >= 0 && state.rows > layout.rows_capacity())
       count_summed_row(a, layout, me, state, lane, piece);
   }
 }
@@ -397,9 +372,6 @@ __global__ void staging_wait_kernel(StagingWaitArgs a) {
     deadline.check(kWaitStagingFree, a.peer, static_cast<int64_t>(a.target & 0xffffffffu),
                    same_epoch ? static_cast<int64_t>(value & 0xffffffffu) : 0);
   }
-  // NOTE: writing here saves the stream a write of its own (each costs the copy stream ~5 us).
-  for (const WordWrite& then : a.then_write)
-    if (then.word != nullptr) st_release_sys(then.word, then.value);
 }
 
 __global__ void write_word_kernel(uint64_t* address, uint64_t value) {
@@ -416,9 +388,8 @@ void launch_write_word(uint64_t* address, uint64_t value, cudaStream_t stream) {
 
 void load_staged_combine_kernels() {
   cudaFuncAttributes attributes;
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false, false>));
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true, false>));
-  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true, true>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true>));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staging_wait_kernel));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, write_word_kernel));
 }
@@ -430,14 +401,10 @@ void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStre
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
   EP_CHECK_ARG(num_blocks >= 1, "the reduction needs at least one SM");
-  if (args.pair_path && args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr) {
-    if (args.overlap_loads >= 2)
-      staged_reduce_kernel<true, true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
-    else
-      staged_reduce_kernel<true, false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
-  } else {
-    staged_reduce_kernel<false, false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
-  }
+  if (args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr)
+    staged_reduce_kernel<true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  else
+    staged_reduce_kernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -27,7 +27,6 @@
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
-#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -330,10 +329,8 @@ __device__ void combine_recv(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
-    if (token == blockIdx.x) EP_PHASE_MARK(2);
     reduce_token(a, token);
   }
-  EP_PHASE_MARK(3);
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
   // for every word first: an expert that returns nothing still announces 0, and that addition must
@@ -357,7 +354,6 @@ __device__ void combine_recv(const CombineArgs& a) {
     st_volatile_u64(word, 0);
   }
   if (threadIdx.x == 0) a.round.state->combine_blocks_done = 0;
-  EP_PHASE_MARK(4);
 }
 
 // ---- receive, expert-side sums --------------------------------------------------------------------
@@ -416,7 +412,6 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
     // loads below (L2 only: ld.cg).
     __syncthreads();
-    if (token == blockIdx.x) EP_PHASE_MARK(2);
     const uint32_t ranks = token_ranks;
     const uint8_t* rows = a.round.data + layout.combine_recv_offset() +
                           static_cast<int64_t>(token) * num_ranks * 4 * layout.hidden;
@@ -449,11 +444,9 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
     }
     __syncthreads();  // token_ranks is rewritten for the next token
   }
-  EP_PHASE_MARK(3);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
-  EP_PHASE_MARK(0);
   if (args.phases & kPhaseSend) {
     if (args.expert_sums && args.bf16_partials) {
       combine_send_sums<8>(args);
@@ -462,8 +455,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     } else {
       combine_send(args);
     }
-    EP_PHASE_SYNC();
-    EP_PHASE_MARK(1);
   }
   if (args.phases & kPhaseRecv) {
     if (args.expert_sums) {
@@ -472,11 +463,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
       combine_recv(args);
     }
   }
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  EP_PHASE_MARK(5);
-  const char* names[] = {"start", "sent", "first_wait", "reduced", "reset", "end"};
-  phase_report(args.expert_sums ? "combine_expert_sums" : "combine", args.phases, args.rank, args.num_tokens, names);
-#endif
 }
 
 }  // namespace

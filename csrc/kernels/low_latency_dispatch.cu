@@ -32,7 +32,6 @@
 
 #include "../common/exception.cuh"
 #include "low_latency_layout.cuh"
-#include "phase_profile.cuh"
 
 namespace ep_plugin::low_latency {
 namespace {
@@ -512,18 +511,10 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
-  EP_PHASE_MARK(0);
   if (args.phases & kPhaseSend) {
     dispatch_send(args);
-    EP_PHASE_SYNC();
-    EP_PHASE_MARK(1);
   }
   if (args.phases & kPhaseRecv) dispatch_recv(args);
-#ifdef EP_PLUGIN_PHASE_PROFILE
-  EP_PHASE_MARK(3);
-  const char* names[] = {"start", "sent", "first_wait", "end", nullptr, nullptr};
-  phase_report("dispatch", args.phases, args.rank, args.num_tokens, names);
-#endif
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// How a reader of a staging area (copy-engine combine and dispatch) tells landed bytes from the rest.
+// How a reader of a staging area (the copy-engine combine) tells landed bytes from the rest.
 //
 // A staging area is filled with 0xff bytes before a copy engine writes into it (the host refills it
 // after each use), so a 32-bit word that still reads kUnlandedWord has not landed. A real word of that

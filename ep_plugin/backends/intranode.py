@@ -1,0 +1,259 @@
+"""Normal mode inside one NVLink domain: notify, the ring and direct dispatches, the SM and copy-engine
+combines (`_C.IntranodeRuntime` over CUDA-IPC-mapped buffers). Also the intranode stage of internode mode."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..output_region import OutputRegion
+from ..tuning import Config, output_region_bytes, staging_bytes
+from .native_common import NativeBase, _C, address_of, local_experts
+
+if TYPE_CHECKING:
+    from .native import NativeBackend
+
+
+@dataclass
+class NativeHandle:
+    """Layout of one dispatch (opaque to users)."""
+    owner: "NativeBackend"
+    num_tokens: int                  # T of this rank
+    num_recv_rows: int               # rows of recv_x (received tokens, or num_worst_tokens)
+    num_recv_tokens: Optional[int]   # received tokens when known on the host (None in graph mode)
+    num_worst_tokens: int
+    is_token_in_rank: torch.Tensor   # [T, R] bool
+    send_pos: torch.Tensor           # [T, R] int32: row of token t on rank r, or -1
+    recv_rank_offsets: torch.Tensor  # [R + 1] int32: first row of each source rank
+    src_num_tokens: torch.Tensor     # [R] int32: T of every rank
+    recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
+    num_recv_device: torch.Tensor    # [1] int32
+    num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
+
+
+class IntranodeMode(NativeBase):
+    """NativeBackend's normal mode in one NVLink domain."""
+
+    def _start_intranode(self, num_nvl_bytes: int, low_latency_mode: bool) -> None:
+        """The runtime over every rank of the group, its peers' buffers mapped; in normal mode also the
+        copy-engine combine's staging area and the direct dispatch's output region."""
+        info, settings = self.info, self.settings
+        # The copy-engine combine's staging area: only for buffers made for normal mode.
+        staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
+        output_bytes = 0 if low_latency_mode else output_region_bytes(settings.buffer, info.num_ranks)
+        self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
+                                            output_bytes, settings.dispatch.direct_max_blocks,
+                                            settings.dispatch.direct_chunk_tokens)
+        peers: List[Optional[Tuple[bytes, int]]] = [None] * info.num_ranks
+        dist.all_gather_object(peers, (self._runtime.ipc_handle(), staging), group=info.group)
+        self._runtime.connect([handle for handle, _ in peers])
+        # Every rank carves its peers' staging areas alike: by the smallest of them.
+        self._staging_bytes = min(size for _, size in peers)
+        if output_bytes > 0:
+            self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
+
+    def _intranode(self):
+        if self._runtime is None:
+            raise RuntimeError("normal-mode kernels need num_nvl_bytes (Config.get_nvl_buffer_size_hint) on a "
+                               "native buffer; this one was created for low-latency mode only")
+        return self._runtime
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        T, K = topk_idx.shape
+        R = self.info.num_ranks
+        per_rank = self._empty(R, dtype=torch.int32)
+        per_node = None if self.info.is_intranode else self._empty(self.info.num_nodes, dtype=torch.int32)
+        per_expert = self._empty(num_experts, dtype=torch.int32)
+        in_rank = self._empty(T, R, dtype=torch.bool)
+        _C.get_dispatch_layout(topk_idx=address_of(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
+                               num_ranks=R, ranks_per_node=self.info.ranks_per_node,
+                               num_tokens_per_rank=address_of(per_rank), num_tokens_per_node=address_of(per_node),
+                               num_tokens_per_expert=address_of(per_expert), is_token_in_rank=address_of(in_rank),
+                               stream=self._stream())
+        return per_rank, per_node, per_expert, in_rank
+
+    def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                       expert_alignment, num_worst_tokens, config: Config):
+        """The intranode kernels among the ranks of this node: notify, the host's wait for the received
+        count (unless `num_worst_tokens`), outputs, dispatch. `is_token_in_rank` is `[T, ranks of the
+        node]` and expert ids count from the node's first expert. Returns DeepEP's dispatch outputs."""
+        T, K = topk_idx.shape
+        R = is_token_in_rank.size(1)
+        num_experts = num_tokens_per_expert.size(0)
+        num_local_experts = local_experts(num_experts, R)
+        send_pos = self._empty(T, R, dtype=torch.int32)
+        recv_rank_offsets = self._empty(R + 1, dtype=torch.int32)
+        src_num_tokens = self._empty(R, dtype=torch.int32)
+        num_recv_device = self._empty(1, dtype=torch.int32)
+        host_tag = 0
+        if num_worst_tokens == 0:
+            self._notify_tag += 1
+            host_tag = self._notify_tag
+        stream = self._stream()
+        args = _C.NotifyArgs()
+        args.is_token_in_rank = address_of(is_token_in_rank)
+        args.num_tokens_per_expert = address_of(num_tokens_per_expert)
+        args.topk_idx = address_of(topk_idx)
+        args.num_tokens, args.num_topk, args.num_experts = T, K, num_experts
+        args.expert_alignment, args.num_worst_tokens, args.host_tag = expert_alignment, num_worst_tokens, host_tag
+        args.row_layout = _C.pack_row_layout(x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1),
+                                             K, topk_weights is not None)
+        args.send_pos = address_of(send_pos)
+        args.recv_rank_offsets = address_of(recv_rank_offsets)
+        args.src_num_tokens = address_of(src_num_tokens)
+        args.num_recv_tokens = address_of(num_recv_device)
+        self._intranode().notify(args, stream)
+        if num_worst_tokens == 0:
+            num_recv, per_rank, per_expert = self._intranode().wait_notify(
+                tag=host_tag, num_local_experts=num_local_experts, stream=stream)
+            rows = num_recv
+        else:
+            num_recv, per_rank, per_expert, rows = None, None, [], num_worst_tokens
+
+        direct = self._direct_dispatch_possible()
+        (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), has_room = self._recv_outputs(
+            direct, [((rows, x.size(1)), x.dtype),
+                     None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
+                     ((rows, K), torch.int64),
+                     None if topk_weights is None else ((rows, K), torch.float32),
+                     ((rows,), torch.int32)])
+        self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
+                              recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
+                              config, direct_rows=rows if direct else None, has_room=has_room)
+        handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
+                              num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
+                              send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
+                              recv_src_idx=recv_src_idx, num_recv_device=num_recv_device,
+                              num_recv_per_rank=per_rank)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
+
+    def _direct_dispatch_possible(self) -> bool:
+        """Whether this intranode dispatch writes straight into the ranks' output regions. Every rank decides
+        alike: all have the region (same config) and capture graphs together."""
+        return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
+
+    def _recv_outputs(self, direct: bool, specs) -> Tuple[List[Optional[torch.Tensor]], bool]:
+        """The dispatch's outputs for `specs` ((shape, dtype) or None each; the rows and their scales
+        first, then the metadata), and whether they are in the output region. They are there when
+        `direct` and the region has room (two blocks: the rows go back with recv_x, the metadata with
+        the handle); else ordinary tensors, and a direct dispatch then falls back to the rings on every
+        rank (the kernels agree on it; no rank raises)."""
+        if direct:
+            stream = self._stream()
+            rows = self._region_outputs(specs[:2], stream)
+            metadata = self._region_outputs(specs[2:], stream) if rows is not None else None
+            if metadata is not None:
+                return rows + metadata, True
+        return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs], False
+
+    def _region_outputs(self, specs, stream: int) -> Optional[List[Optional[torch.Tensor]]]:
+        """Tensors for `specs` (None entries stay None) in one block of the output region, or None
+        when it has no room."""
+        present = [spec for spec in specs if spec is not None]
+        if not present:
+            return [None] * len(specs)
+        tensors = self._outputs.empty_group(present, stream)
+        if tensors is None:
+            return None
+        found = iter(tensors)
+        return [None if spec is None else next(found) for spec in specs]
+
+    def direct_fell_back(self) -> bool:
+        """Whether this rank's last direct dispatch found a rank without room in its output region and
+        moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
+        return self._intranode().direct_fell_back()
+
+    def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
+                         recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
+                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
+        # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
+        self.last_dispatch_path = "rings" if direct_rows is None else "direct"
+        args = _C.DispatchArgs()
+        args.num_channels = config.num_channels
+        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
+        args.send_chunk = config.num_max_nvl_chunked_send_tokens
+        args.num_tokens, args.row_bytes = x.size(0), x.size(1) * x.element_size()
+        args.num_scales = 0 if x_scales is None else x_scales.size(1)
+        args.num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
+        args.x, args.x_scales = address_of(x), address_of(x_scales)
+        args.topk_idx, args.topk_weights = address_of(topk_idx), address_of(topk_weights)
+        args.send_pos = address_of(send_pos)
+        args.recv_x, args.recv_x_scales = address_of(recv_x), address_of(recv_scales)
+        args.recv_topk_idx, args.recv_topk_weights = address_of(recv_topk_idx), address_of(recv_topk_weights)
+        args.recv_src_idx, args.num_recv_tokens = address_of(recv_src_idx), address_of(num_recv_device)
+        if direct_rows is None:
+            self._intranode().dispatch(args, self._stream())
+        else:
+            self._intranode().direct_dispatch(args, direct_rows, has_room, self._stream())
+
+    def _intranode_cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
+        self._check_sms(config)
+        rows = handle.num_recv_rows
+        direct = self._direct_dispatch_possible()
+        (recv_x, recv_scales), has_room = self._recv_outputs(
+            direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
+        self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
+                              handle.num_worst_tokens, handle.num_recv_device, config,
+                              direct_rows=rows if direct else None, has_room=has_room)
+        return recv_x, recv_scales
+
+    def _intranode_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
+        self._check_sms(config)
+        T = handle.num_tokens
+        combined_x = self._empty(T, x.size(1), dtype=torch.bfloat16)
+        combined_weights = None if topk_weights is None else self._empty(T, topk_weights.size(1), dtype=torch.float32)
+        if self._copy_engine_combine_possible(handle, x.size(1)):
+            self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
+            self.last_combine_path = "copy_engine"
+            return combined_x, combined_weights
+        self.last_combine_path = "sm"
+        self._sm_combine(x, topk_weights, handle, bias_0, bias_1, combined_x, combined_weights, config)
+        return combined_x, combined_weights
+
+    def _sm_combine(self, x, topk_weights, handle: NativeHandle, bias_0, bias_1, combined_x, combined_weights,
+                    config: Config) -> None:
+        """The combine kernel over the rings: `combined_x[t]` ([T, hidden] bf16, T = handle.num_tokens) is
+        the sum of the rows of `x` ([rows, hidden] bf16, as dispatched) that came from token t, plus the
+        biases; `combined_weights` ([T, K] fp32 or None) the same for `topk_weights`."""
+        args = _C.CombineArgs()
+        args.num_channels = config.num_channels
+        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
+        args.send_chunk = config.num_max_nvl_chunked_send_tokens
+        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
+        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        args.x, args.topk_weights = address_of(x), address_of(topk_weights)
+        args.recv_src_idx, args.recv_rank_offsets = address_of(handle.recv_src_idx), address_of(handle.recv_rank_offsets)
+        args.src_num_tokens, args.send_pos = address_of(handle.src_num_tokens), address_of(handle.send_pos)
+        args.bias_0, args.bias_1 = address_of(bias_0), address_of(bias_1)
+        args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
+        self._intranode().combine(args, self._stream())
+
+    def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
+        """Whether this combine goes through the copy engines (the same answer on every rank).
+
+        It needs the received rows per source on the host (a dispatch that waited for its counts,
+        not `num_worst_tokens`), a staging area that holds two pieces of rows, and no graph capture:
+        the host numbers each combine, and a replayed graph would repeat the numbers.
+        """
+        return (self._staging_bytes > 0 and handle.num_recv_per_rank is not None and self.info.num_ranks > 1
+                and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _staged_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, combined_x, combined_weights,
+                        config: Config) -> None:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.info.device)
+        # The reduction uses the config's SMs but leaves one per peer free: each copy stream waits for
+        # its owner in a one-thread kernel beside the reduction. The copies use no SM.
+        num_sms = min(config.num_sms, self._num_device_sms - (self.info.num_ranks - 1))
+        args = _C.StagedReduceArgs()
+        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
+        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        args.x, args.topk_weights, args.send_pos = address_of(x), address_of(topk_weights), address_of(handle.send_pos)
+        args.bias_0, args.bias_1 = address_of(bias_0), address_of(bias_1)
+        args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
+        self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
+                                         self._side_stream.cuda_stream)

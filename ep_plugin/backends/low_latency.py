@@ -1,0 +1,270 @@
+"""Low-latency mode: the NVSHMEM kernels of `ep_plugin._C_nvshmem` (any NVSHMEM transport), their
+rounds (parities), receive hooks and the zero-copy combine buffer."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8
+from .base import DispatchRoute, GroupInfo
+from .native_common import NVSHMEM_IMPORT_ERROR, NativeBase, _C_nvshmem, address_of, logger
+
+if TYPE_CHECKING:
+    from .native import NativeBackend
+
+# Whether the native low-latency kernels pass tests/test_native_low_latency.py on GPUs (2x H200: all
+# of them). While False, `backend: auto` keeps the reference backend for
+# low-latency mode and only `backend: native` selects them.
+LOW_LATENCY_VERIFIED = True
+
+
+def low_latency_unsupported_reason(info: GroupInfo, requested: str) -> str:
+    if _C_nvshmem is None:
+        return f"the NVSHMEM extension ep_plugin._C_nvshmem is not built ({NVSHMEM_IMPORT_ERROR})"
+    if info.device.type != "cuda":
+        return "no CUDA device in this process"
+    if info.num_ranks > _C_nvshmem.MAX_RANKS:
+        return f"{info.num_ranks} ranks; the low-latency kernels take at most {_C_nvshmem.MAX_RANKS}"
+    if not LOW_LATENCY_VERIFIED and requested != "native":
+        return ("native low-latency kernels are built but not yet verified on GPU "
+                "(select them with backend: native)")
+    return ""
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """Layout of one low-latency dispatch (opaque to users), for `low_latency_combine`."""
+    owner: "NativeBackend"
+    num_tokens: int                      # T of the dispatch
+    recv_shape: Tuple[int, int, int]     # (E_local, R * T_max, H)
+    parity: int                          # the round (0 or 1) of symmetric buffer it used
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    num_topk: int
+    recv_src_info: torch.Tensor          # [E_local, R * T_max] int32: src_rank << 21 | (t * 32 + k)
+    recv_layout: torch.Tensor            # [E_local, R] int64: first slot << 32 | count, per source rank
+    expert_sums: bool = False            # the payloads carried routes: the combine sums on the expert side
+    bf16_partials: bool = False          # ... and sends its partials to peers as bf16 (else fp32)
+    combine_buffer: Optional[torch.Tensor] = field(default=None)
+    dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
+
+    @property
+    def hidden(self) -> int:
+        return self.recv_shape[2]
+
+
+class _SymmetricArray:
+    """A device array in NVSHMEM memory, shown to torch through the CUDA array interface (zero-copy)."""
+
+    def __init__(self, address: int, shape: Tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": shape, "typestr": typestr,
+                                         "strides": None, "version": 3, "stream": None}
+
+
+class LowLatencyMode(NativeBase):
+    """NativeBackend's low-latency mode."""
+
+    def _start_low_latency(self, num_rdma_bytes: int):
+        """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the symmetric buffer."""
+        if num_rdma_bytes <= _C_nvshmem.HEADER_BYTES:
+            raise ValueError(f"num_rdma_bytes = {num_rdma_bytes} is too small for native low-latency mode; size it "
+                             "with Buffer.get_low_latency_rdma_size_hint")
+        unique_id = self._prepare_nvshmem(num_rdma_bytes)
+        runtime = _C_nvshmem.LowLatencyRuntime(self.info.rank, self.info.num_ranks, num_rdma_bytes,
+                                               self.settings.timeout_s, unique_id)
+        direct = runtime.direct_peers()
+        logger.info("ep_plugin rank %d: low-latency symmetric buffer of %d bytes; peers over NVLink: %s, over the "
+                    "network: %s", self.info.rank, num_rdma_bytes, [r for r, d in enumerate(direct) if d],
+                    [r for r, d in enumerate(direct) if not d])
+        # NOTE: a fused send + receive launch finishes only once every block of every rank's launch has
+        # been resident at the same time (each block's receive waits for blocks of all ranks), and it
+        # launches one block per SM the process sees. Ranks that share a GPU (CUDA MPS) have no such
+        # guarantee: MPS limits each client's SMs but reserves none. A send launch never waits, so two
+        # launches (send, then receive) need no co-residency; that costs one launch per call.
+        sharing = _ranks_on_this_gpu(self.info)
+        self._ll_split = sharing > 1
+        if self._ll_split:
+            logger.info("ep_plugin rank %d: %d ranks share this GPU; low-latency send and receive run as separate "
+                        "launches", self.info.rank, sharing)
+        return runtime
+
+    def _low_latency(self):
+        if self._ll is None:
+            raise RuntimeError("this native buffer was not created with low_latency_mode=True")
+        return self._ll
+
+    def _check_low_latency_shapes(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                                  num_topk: int) -> None:
+        """What Buffer does not check but these kernels need; raised before anything runs."""
+        if num_max_dispatch_tokens_per_rank > _C_nvshmem.MAX_TOKENS:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} exceeds the "
+                             f"native low-latency limit of {_C_nvshmem.MAX_TOKENS}")
+        if num_experts > _C_nvshmem.MAX_EXPERTS:
+            raise ValueError(f"num_experts = {num_experts} exceeds the native low-latency limit of "
+                             f"{_C_nvshmem.MAX_EXPERTS}")
+        if num_topk > _C_nvshmem.MAX_TOPK:
+            raise ValueError(f"topk_idx: top-k = {num_topk} exceeds the native low-latency limit of "
+                             f"{_C_nvshmem.MAX_TOPK}")
+        needed = _C_nvshmem.size_hint(num_max_dispatch_tokens_per_rank, hidden, self.info.num_ranks, num_experts)
+        if needed > self.num_rdma_bytes:
+            raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
+                             f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
+                             f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
+
+    def _next_parity(self) -> int:
+        """The round of this dispatch: rounds alternate, so two dispatch/combine rounds can be in flight.
+
+        Every rank makes the same sequence of calls, so every rank picks the same round. Under CUDA-graph
+        capture the round is fixed into the graph (each replay repeats the captured sequence).
+        """
+        parity = self._ll_parity
+        self._ll_parity ^= 1
+        return parity
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                             return_recv_hook, topk_weights):
+        runtime = self._low_latency()
+        T, K = topk_idx.shape
+        H = x.size(1)
+        R = self.info.num_ranks
+        self._check_low_latency_shapes(num_max_dispatch_tokens_per_rank, H, num_experts, K)
+        num_local = num_experts // R
+        num_slots = R * num_max_dispatch_tokens_per_rank
+        if use_fp8:
+            data = self._empty(num_local, num_slots, H, dtype=torch.uint8).view(fp8.FP8_DTYPE)
+            # Column-major in the last two dimensions: allocate [E_local, S, slots], view transposed.
+            width = fp8.num_ue8m0_words(H) if use_ue8m0 else fp8.num_blocks(H)
+            scales = self._empty(num_local, width, num_slots, dtype=torch.int32 if use_ue8m0 else torch.float32)
+            scales = scales.transpose(1, 2)
+            recv_x = (data, scales)
+        else:
+            data = self._empty(num_local, num_slots, H, dtype=torch.bfloat16)
+            scales = None
+            recv_x = data
+        recv_count = self._empty(num_local, dtype=torch.int32)
+        recv_src_info = self._empty(num_local, num_slots, dtype=torch.int32)
+        recv_layout = self._empty(num_local, R, dtype=torch.int64)
+        parity = self._next_parity()
+        # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
+        # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
+        expert_sums = topk_weights is not None and runtime.supports_expert_sums(
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=H, num_experts=num_experts)
+        # Fixed here, so that the dispatch announces it (ranks must agree) and its combine follows it.
+        bf16_partials = expert_sums and self.settings.low_latency.expert_sums_partials == "bf16"
+
+        args = _C_nvshmem.DispatchArgs()
+        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts = \
+            num_max_dispatch_tokens_per_rank, H, num_experts
+        args.x, args.topk_idx, args.num_tokens, args.num_topk = address_of(x), address_of(topk_idx), T, K
+        args.use_fp8, args.round_scale, args.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+        args.recv_x, args.recv_scales, args.recv_count = address_of(data), address_of(scales), address_of(recv_count)
+        args.recv_src_info, args.recv_layout = address_of(recv_src_info), address_of(recv_layout)
+        args.cumulative_local_expert_recv_stats = address_of(cumulative_local_expert_recv_stats)
+        args.carry_route, args.bf16_partials = expert_sums, bf16_partials
+        args.topk_weights = address_of(topk_weights) if expert_sums else 0
+
+        def launch(phases: int) -> None:
+            args.phases = phases
+            runtime.dispatch(args, parity, self._stream())
+
+        self._launch_phases(launch, return_recv_hook)
+        handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
+                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                  num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
+                                  recv_layout=recv_layout, expert_sums=expert_sums,
+                                  bf16_partials=bf16_partials)
+        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
+        return recv_x, recv_count, handle, hook
+
+    def _launch_phases(self, launch: Callable[[int], None], return_recv_hook: bool) -> None:
+        """Send only (the hook receives), send + receive in one launch, or as two when ranks share the GPU."""
+        send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
+        if return_recv_hook:
+            launch(send)
+        elif self._ll_split:
+            launch(send)
+            launch(recv)
+        else:
+            launch(send | recv)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out):
+        runtime = self._low_latency()
+        handle = self._low_latency_handle(handle)
+        if tuple(topk_idx.shape) != (handle.num_tokens, handle.num_topk):
+            raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's had "
+                             f"{(handle.num_tokens, handle.num_topk)}")
+        # NOTE: the staging tensor only when zero_copy (the caller filled it, so it exists): wrapping
+        # the symmetric buffer asks CUDA for the pointer's device, which a graph capture need not allow.
+        if zero_copy and x.data_ptr() != self.get_next_low_latency_combine_buffer(handle).data_ptr():
+            raise ValueError("low_latency_combine(zero_copy=True): x must be the tensor returned by "
+                             "get_next_low_latency_combine_buffer(handle), filled with the expert outputs")
+        T, K = topk_idx.shape
+        combined = out if out is not None else self._empty(T, handle.hidden, dtype=torch.bfloat16)
+
+        args = _C_nvshmem.CombineArgs()
+        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts = \
+            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        args.x, args.recv_src_info, args.recv_layout = (address_of(x), address_of(handle.recv_src_info),
+                                                        address_of(handle.recv_layout))
+        args.topk_idx, args.topk_weights, args.num_tokens, args.num_topk = (address_of(topk_idx),
+                                                                            address_of(topk_weights), T, K)
+        args.out, args.expert_sums, args.bf16_partials = address_of(combined), handle.expert_sums, handle.bf16_partials
+
+        def launch(phases: int) -> None:
+            args.phases = phases
+            runtime.combine(args, handle.parity, self._stream())
+
+        self._launch_phases(launch, return_recv_hook)
+        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
+        return combined, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        handle = self._low_latency_handle(handle)
+        if handle.combine_buffer is None:
+            address = self._low_latency().combine_bufferaddress_of(
+                parity=handle.parity, num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
+                hidden=handle.hidden, num_experts=handle.num_experts)
+            array = _SymmetricArray(address, handle.recv_shape, "<i2")  # bf16 has no typestr: view int16 bits
+            handle.combine_buffer = torch.as_tensor(array, device=self.info.device).view(torch.bfloat16)
+        return handle.combine_buffer
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Zero every signal word on every rank (a collective, as in DeepEP)."""
+        runtime = self._low_latency()
+        self._check_low_latency_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts, 1)
+        torch.cuda.synchronize(self.info.device)
+        dist.barrier(group=self.info.group)  # no peer is still writing into this buffer
+        runtime.clean(stream=self._stream())
+        self._ll_parity = 0
+        dist.barrier(group=self.info.group)  # no peer writes before every buffer is clean
+
+    def _low_latency_handle(self, handle: object) -> LowLatencyHandle:
+        if not isinstance(handle, LowLatencyHandle):
+            raise ValueError(f"expected a handle from low_latency_dispatch, got {type(handle).__name__}")
+        return handle
+
+
+def _ranks_on_this_gpu(info: GroupInfo) -> int:
+    """Ranks of the group (this one included) that run on this rank's GPU (several only under CUDA MPS)."""
+    props = torch.cuda.get_device_properties(info.device)
+    key = str(getattr(props, "uuid", "") or "") or f"{os.uname().nodename}:{info.device.index}"
+    keys: List[Optional[str]] = [None] * info.num_ranks
+    dist.all_gather_object(keys, key, group=info.group)
+    return keys.count(key)
+
+
+def _receive_hook(receive: Callable[[], None]) -> Callable[[], None]:
+    """A receive hook: the first call launches the receive on the current stream, later calls do nothing."""
+    state = {"done": False}
+
+    def hook() -> None:
+        if not state["done"]:
+            state["done"] = True
+            receive()
+
+    return hook

@@ -1,0 +1,75 @@
+"""What the native backend's modes share: the extensions, device addresses, and the helpers every
+mode's host code uses (streams, outputs, SM checks, NVSHMEM start-up)."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..tuning import Config
+from .base import Backend
+
+try:
+    from .. import _C
+    IMPORT_ERROR = ""
+except ImportError as error:  # built without a CUDA toolkit
+    _C = None
+    IMPORT_ERROR = str(error)
+
+try:
+    from .. import _C_nvshmem
+    NVSHMEM_IMPORT_ERROR = ""
+except ImportError as error:  # built without NVSHMEM (or without a CUDA toolkit)
+    _C_nvshmem = None
+    NVSHMEM_IMPORT_ERROR = str(error)
+
+logger = logging.getLogger("ep_plugin")
+
+# Symmetric heap requested from NVSHMEM beyond the buffer itself (its own allocations), unless the
+# user sets NVSHMEM_SYMMETRIC_SIZE.
+NVSHMEM_HEAP_MARGIN_BYTES = 256 << 20
+
+
+def address_of(tensor: Optional[torch.Tensor]) -> int:
+    """The device address the extensions take for `tensor` (0: None or empty)."""
+    return 0 if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
+
+
+def local_experts(num_experts: int, num_ranks: int) -> int:
+    """Experts per rank, within what the intranode kernels hold."""
+    num_local_experts = num_experts // num_ranks
+    if num_local_experts > _C.MAX_LOCAL_EXPERTS:
+        raise ValueError(f"{num_local_experts} experts per rank; the native kernels take at most "
+                         f"{_C.MAX_LOCAL_EXPERTS}")
+    return num_local_experts
+
+
+class NativeBase(Backend):
+    """State and helpers of NativeBackend that every mode uses (native.py sets the state up)."""
+
+    def _stream(self) -> int:
+        # NOTE: by device index: with no argument torch looks the current device up (a few us per call).
+        return torch.cuda.current_stream(self.info.device.index).cuda_stream
+
+    def _check_sms(self, config: Config) -> None:
+        if config.num_sms > self._num_device_sms:
+            raise ValueError(f"config.num_sms = {config.num_sms} exceeds the {self._num_device_sms} SMs of this GPU")
+
+    def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.info.device)
+
+    def _prepare_nvshmem(self, num_rdma_bytes: int) -> bytes:
+        """Before a runtime starts NVSHMEM: bind this device, size the symmetric heap (unless the user set
+        NVSHMEM_SYMMETRIC_SIZE) and share rank 0's unique id over the group (a collective); returns the id."""
+        torch.cuda.set_device(self.info.device)  # NVSHMEM binds each PE to the current device
+        heap = (num_rdma_bytes + NVSHMEM_HEAP_MARGIN_BYTES + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+        if os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap)) != str(heap):
+            logger.info("ep_plugin: keeping NVSHMEM_SYMMETRIC_SIZE=%s (the buffer needs %d bytes)",
+                        os.environ["NVSHMEM_SYMMETRIC_SIZE"], num_rdma_bytes)
+        unique_id = _C_nvshmem.create_unique_id() if self.info.rank == 0 else None
+        ids: List[Optional[bytes]] = [None] * self.info.num_ranks
+        dist.all_gather_object(ids, unique_id, group=self.info.group)
+        return ids[0]
