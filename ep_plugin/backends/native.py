@@ -379,6 +379,10 @@ class NativeBackend(Backend):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
         if self._net is not None:
+            if topk_idx is None:
+                raise NotImplementedError("dispatch without topk_idx across nodes is not supported by the native "
+                                          "backend (its intranode stage routes forwarded rows by their expert ids); "
+                                          "pass topk_idx, or use backend: reference")
             return self._internode_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                                             num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
         self._check_sms(config)
@@ -390,7 +394,7 @@ class NativeBackend(Backend):
         """The intranode kernels among the ranks of this node: notify, the host's wait for the received
         count (unless `num_worst_tokens`), outputs, dispatch. `is_token_in_rank` is `[T, ranks of the
         node]` and expert ids count from the node's first expert. Returns DeepEP's dispatch outputs."""
-        T, K = topk_idx.shape
+        T, K = is_token_in_rank.size(0), 0 if topk_idx is None else topk_idx.size(1)
         R = is_token_in_rank.size(1)
         num_experts = num_tokens_per_expert.size(0)
         num_local_experts = _local_experts(num_experts, R)
@@ -403,8 +407,10 @@ class NativeBackend(Backend):
             self._notify_tag += 1
             host_tag = self._notify_tag
         stream = self._stream()
+        # NOTE: without top-k (K = 0) notify reads no id; it still wants an address for T > 0 tokens.
+        ids_address = _address(topk_idx) if topk_idx is not None else _address(is_token_in_rank)
         self._intranode().notify(is_token_in_rank=_address(is_token_in_rank),
-                                 num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=_address(topk_idx),
+                                 num_tokens_per_expert=_address(num_tokens_per_expert), topk_idx=ids_address,
                                  num_tokens=T, num_topk=K, num_experts=num_experts, expert_alignment=expert_alignment,
                                  num_worst_tokens=num_worst_tokens, row_bytes=x.size(1) * x.element_size(),
                                  num_scales=0 if x_scales is None else x_scales.size(1),
@@ -423,7 +429,7 @@ class NativeBackend(Backend):
         (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), has_room = self._recv_outputs(
             direct, [((rows, x.size(1)), x.dtype),
                      None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
-                     ((rows, K), torch.int64),
+                     None if topk_idx is None else ((rows, K), torch.int64),
                      None if topk_weights is None else ((rows, K), torch.float32),
                      ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
@@ -918,11 +924,11 @@ class NativeBackend(Backend):
         if tuple(topk_idx.shape) != (handle.num_tokens, handle.num_topk):
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's had "
                              f"{(handle.num_tokens, handle.num_topk)}")
-        # NOTE: the staging tensor only when zero_copy (the caller filled it, so it exists): wrapping
-        # the symmetric buffer asks CUDA for the pointer's device, which a graph capture need not allow.
-        if zero_copy and x.data_ptr() != self.get_next_low_latency_combine_buffer(handle).data_ptr():
-            raise ValueError("low_latency_combine(zero_copy=True): x must be the tensor returned by "
-                             "get_next_low_latency_combine_buffer(handle), filled with the expert outputs")
+        # zero_copy: the caller wrote the expert outputs into the staging area; x's data is not read. NOTE:
+        # the staging tensor only then (the caller filled it, so it exists): wrapping the symmetric buffer
+        # asks CUDA for the pointer's device, which a graph capture need not allow.
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
         T, K = topk_idx.shape
         combined = out if out is not None else self._empty(T, handle.hidden, dtype=torch.bfloat16)
 
