@@ -110,7 +110,8 @@ class Buffer:
                                ranks_per_node=ranks_per_node, device=device)
         self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._default_configs = {}
-        self._local_regions = {}  # get_local_buffer_tensor's regions (reference backend)
+        self._local_regions = {}
+        self._low_latency_sizes_checked = set()  # get_local_buffer_tensor's regions (reference backend)
         self._last_checked_ids = None  # (weak reference, facts) of the topk_idx last checked
         # Reused for the two streams' ordering in every call (an event is re-recorded safely: a wait
         # takes the event's state when it is queued).
@@ -297,6 +298,11 @@ class Buffer:
             # A caller whose current device is another GPU: set_stream below would switch its device.
             with torch.cuda.device(device_index):
                 return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
+        if not async_finish and previous_event is None and not allocate_on_comm_stream:
+            # The current stream would wait for the communication stream right away: running on it
+            # orders the same and spares two event waits, two stream switches and a record_stream
+            # per output (host time of an eager call).
+            return fn(), EventOverlap(None)
         # NOTE: streams and events by the buffer's device index, and two reused events: torch's
         # no-argument stream helpers look the current device up each time (a few us per call).
         compute_stream = torch.cuda.current_stream(device_index)
@@ -566,11 +572,15 @@ class Buffer:
             raise RuntimeError("low-latency kernels need a Buffer created with low_latency_mode=True")
 
     def _check_low_latency_size(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if sizes in self._low_latency_sizes_checked:  # once per sizes: the buffer does not change
+            return
         needed = _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         if self._backend.name == "native" and self.num_rdma_bytes < needed:
             raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
+        self._low_latency_sizes_checked.add(sizes)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset low-latency state (needed after normal-mode kernels used the same buffer)."""

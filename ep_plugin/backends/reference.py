@@ -429,10 +429,10 @@ class ReferenceBackend(Backend):
         # Slot of a message: its position among its expert's messages in arrival order (source rank,
         # then token, then k).
         recv_count = _count_ids(recv_expert, num_local_experts)
-        by_expert = torch.argsort(recv_expert * max(num_recv, 1) + torch.arange(num_recv, device=device))
+        by_expert = torch.argsort(recv_expert * max(num_recv, 1) + torch.arange(num_recv, dtype=torch.int64, device=device))
         first_slot = torch.cumsum(recv_count, 0) - recv_count
         recv_slot = torch.empty_like(recv_expert)
-        recv_slot[by_expert] = torch.arange(num_recv, device=device) - first_slot[recv_expert[by_expert]]
+        recv_slot[by_expert] = torch.arange(num_recv, dtype=torch.int64, device=device) - first_slot[recv_expert[by_expert]]
         most = int(recv_count.max())
         if most > num_slots:
             raise RuntimeError(f"low_latency_dispatch on rank {rank}: a local expert receives {most} tokens, more "
