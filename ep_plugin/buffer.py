@@ -459,13 +459,13 @@ class Buffer:
                                      expert_alignment, num_worst_tokens, config),
             inputs, previous_event, async_finish, allocate_on_comm_stream)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, inner = outputs
-        new_handle = DispatchHandle(inner, is_token_in_rank, self._info.is_intranode, self._gather_counts)
+        new_handle = DispatchHandle(inner, is_token_in_rank, self.rank, self._info.is_intranode, self._gather_counts)
         return ((recv_x, recv_scales) if is_tuple else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
                 new_handle, event)
 
-    def _gather_counts(self, column: torch.Tensor) -> torch.Tensor:
-        """Every rank's receive counts (a collective over the group; see `handles.DispatchHandle`)."""
-        return all_gather_rows(self.group, column)
+    def _gather_counts(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's send counts (a collective over the group; see `handles.DispatchHandle`)."""
+        return all_gather_rows(self.group, row)
 
     def combine(self, x: torch.Tensor, handle: object, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,

@@ -16,14 +16,14 @@ Normal mode, intranode (DeepEP's `intranode_dispatch`):
                                   (DeepEP's holds a ring position; ep_plugin's combine needs the row)
 Normal mode, across nodes (DeepEP's `internode_dispatch`): position 0 is is_token_in_rank [T, R]
 bool, 6 is recv_gbl_rank_prefix_sum [R] int32 (inclusive prefix of the rows received from each
-rank); the other eight hold kernel state with no ep_plugin equivalent and read as None.
+rank); the other eight hold DeepEP's kernel state, with no ep_plugin equivalent, and read as None.
 Low-latency mode: (src_info [E_local, R * T_max] int32 source token index of each slot,
 layout_range [E_local, R] int64 = first slot << 32 | count per source rank,
 num_max_dispatch_tokens_per_rank, hidden, num_experts).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -83,18 +83,19 @@ _UNSET = object()
 class DispatchHandle(_TupleFace):
     """A normal-mode dispatch's handle: DeepEP's intranode or internode tuple (module docstring).
 
-    `gather_counts(column)` turns every rank's `[R]` int32 receive counts into `[R, R]` (row j =
-    rank j's). It is a collective, run only when position 0 is read and the backend's handle does not
-    carry the whole count matrix (native): then every rank must read position 0, as in DeepEP's
-    programs every rank does.
+    `gather_counts(row)` turns every rank's `[R]` int32 send counts into `[R, R]` (row s = rank s's).
+    It is a collective, run only when a position that needs other ranks' counts (0, and 5 or 6 where
+    derived from them) is read and the backend's handle does not carry the count matrix itself
+    (native): then every rank must read it, as in DeepEP's programs every rank does.
     """
 
-    __slots__ = ("_is_token_in_rank", "_intranode", "_gather_counts")
+    __slots__ = ("_is_token_in_rank", "_rank", "_intranode", "_gather_counts")
 
-    def __init__(self, inner: object, is_token_in_rank: torch.Tensor, intranode: bool,
+    def __init__(self, inner: object, is_token_in_rank: torch.Tensor, rank: int, intranode: bool,
                  gather_counts: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__(inner, _INTRANODE_POSITIONS if intranode else _INTERNODE_POSITIONS)
         object.__setattr__(self, "_is_token_in_rank", is_token_in_rank)
+        object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_intranode", intranode)
         object.__setattr__(self, "_gather_counts", gather_counts)
 
@@ -117,9 +118,7 @@ class DispatchHandle(_TupleFace):
         counts = getattr(self.inner, "rank_count_matrix", None)
         if counts is not None:  # the backend's dispatch exchanged every rank's counts (no collective)
             return torch.tensor(counts, dtype=torch.int32, device=device)
-        offsets = self.inner.recv_rank_offsets  # [R + 1] int32: first row of each source on this rank
-        column = (offsets[1:] - offsets[:-1]).to(torch.int32)
-        return self._gather_counts(column).t().contiguous()
+        return self._gather_counts(self._is_token_in_rank.sum(dim=0, dtype=torch.int32))
 
     def _send_head(self) -> torch.Tensor:
         send_pos = getattr(self.inner, "send_pos", None)
@@ -127,18 +126,14 @@ class DispatchHandle(_TupleFace):
             return send_pos
         # This rank's rows on rank r follow the rows of ranks 0..rank-1 there, in token order.
         prefix = self[0]
-        rank = self.inner.owner.info.rank
+        rank = self._rank
         first = prefix[rank - 1] if rank > 0 else torch.zeros_like(prefix[0])
         sent = self._is_token_in_rank
         order = torch.cumsum(sent.to(torch.int32), dim=0, dtype=torch.int32) - 1
         return torch.where(sent, first.unsqueeze(0) + order, torch.full_like(order, -1))
 
-    def _recv_rank_prefix_sum(self) -> Optional[torch.Tensor]:
-        counts = getattr(self.inner, "recv_counts", None)
-        if counts is None:
-            return None
-        counts = torch.tensor(counts, dtype=torch.int32, device=self._is_token_in_rank.device)
-        return torch.cumsum(counts, dim=0, dtype=torch.int32)
+    def _recv_rank_prefix_sum(self) -> torch.Tensor:
+        return torch.cumsum(self._count_matrix()[:, self._rank], dim=0, dtype=torch.int32)
 
 
 def _recv_src_idx(inner: object) -> torch.Tensor:

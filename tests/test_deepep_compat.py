@@ -17,6 +17,7 @@ import inspect
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 from case_runner import assert_case_passed, run_each
 import ep_plugin
 from ep_plugin import Buffer
+from ep_plugin.handles import DispatchHandle, source_token_index
 from ep_plugin.launch import parallel_launch
 
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
@@ -246,6 +248,9 @@ def check_normal_handle(ctx: Ctx, handle, want, mine) -> None:
     assert_equal("handle[5] send_head", handle[5], want["send_head"])
     assert tuple(handle)[0] is handle[0]  # computed once
     assert handle.num_recv_rows == want["src_idx"].numel()  # ep_plugin's fields stay attributes
+    assert handle[-6] is handle[0] and handle[3:5] == (handle[3], handle[4])
+    with pytest.raises(IndexError):
+        handle[6]
 
 
 def case_dispatch_handle(ctx: Ctx) -> None:
@@ -282,6 +287,33 @@ def case_dispatch_without_topk(ctx: Ctx) -> None:
     combined, combined_w, _ = ctx.normal.combine((recv_x.float() * 2.0 ** ctx.rank).to(torch.bfloat16), handle)
     assert combined_w is None
     assert_equal("combined", combined, expected_combine(inputs, ctx.rank))
+
+
+def case_handle_from_gathered_counts(ctx: Ctx) -> None:
+    """A backend handle without the count matrix (as the native one): positions 0, 5 and the internode
+    tuple's 6 come from an all_gather of every rank's send counts over the group."""
+    inputs = ctx.inputs()
+    mine = ctx.mine(inputs)
+    want = expected_normal(inputs, ctx.rank)
+    _, _, _, _, handle, _ = ctx.normal.dispatch(
+        mine["x"], num_tokens_per_rank=mine["num_tokens_per_rank"], is_token_in_rank=mine["is_token_in_rank"],
+        num_tokens_per_expert=mine["num_tokens_per_expert"], topk_idx=mine["topk_idx"])
+    bare = SimpleNamespace(owner=handle.owner, recv_src_idx=handle[3], num_recv_rows=handle.num_recv_rows)
+    intranode = DispatchHandle(bare, mine["is_token_in_rank"], ctx.rank, True, ctx.normal._gather_counts)
+    check_normal_handle(ctx, intranode, want, mine)
+    internode = DispatchHandle(bare, mine["is_token_in_rank"], ctx.rank, False, ctx.normal._gather_counts)
+    assert len(internode) == 10 and internode[0] is mine["is_token_in_rank"]
+    counts = torch.diff(want["prefix"][:, ctx.rank], prepend=torch.zeros(1, dtype=torch.int32, device="cpu"))
+    assert_equal("internode handle[6]", internode[6], torch.cumsum(counts, dim=0, dtype=torch.int32))
+    assert all(internode[i] is None for i in (1, 2, 3, 4, 5, 7, 8, 9))
+
+
+def test_source_token_index_unpacks_native_slot_info():
+    src_rank = torch.tensor([0, 1, 3, 1023], dtype=torch.int32)
+    token = torch.tensor([0, 5, 4095, 65535], dtype=torch.int32)
+    k = torch.tensor([0, 7, 31, 3], dtype=torch.int32)
+    packed = (src_rank << 21) | (token * 32 + k)
+    assert torch.equal(source_token_index(packed), token)
 
 
 def case_num_worst_tokens(ctx: Ctx) -> None:
