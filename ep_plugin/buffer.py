@@ -7,12 +7,14 @@ semantics follow DeepEP V1; what ep_plugin adds is keyword-only (`config=`) or a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._device import DeviceContext
 
 from . import validation as V
 from .backends import select_backend
@@ -28,6 +30,28 @@ from .tuning import get_low_latency_rdma_size_hint as _ll_size_hint
 logger = logging.getLogger("ep_plugin")
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+# NOTE: torch's own test for an active torch-function mode (private; without it nothing is bypassed).
+_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+
+
+def _without_device_mode(method: Callable) -> Callable:
+    """Run `method` without torch's default-device mode.
+
+    `torch.set_default_device` installs a torch-function mode that every torch call then passes through
+    in Python (several us per call, tens of calls per dispatch). Every tensor ep_plugin creates names
+    its device, so where the default-device mode is the only one active, the call runs with torch
+    functions' overrides off; other modes (tracing, user modes) are left in place.
+    """
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if _function_mode_enabled() and all(
+                isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
+            with torch._C.DisableTorchFunction():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return call
 
 
 class Buffer:
@@ -336,6 +360,7 @@ class Buffer:
         return self._info.device
 
     # ---- normal mode -------------------------------------------------------------------------
+    @_without_device_mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -363,6 +388,7 @@ class Buffer:
                                    [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
         return (*outputs, event)
 
+    @_without_device_mode
     def dispatch(self, x: XType, handle: Optional[object] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -467,6 +493,7 @@ class Buffer:
         """Every rank's send counts (a collective over the group; see `handles.DispatchHandle`)."""
         return all_gather_rows(self.group, row)
 
+    @_without_device_mode
     def combine(self, x: torch.Tensor, handle: object, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -587,6 +614,7 @@ class Buffer:
         self._require_low_latency()
         self._live_backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @_without_device_mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
@@ -679,6 +707,7 @@ class Buffer:
             inner.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
         return recv_x, recv_count, LowLatencyHandle(inner), event, hook
 
+    @_without_device_mode
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: object, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -750,6 +779,7 @@ class Buffer:
         self._require_shrink()
         self._live_backend().clean_mask_buffer()
 
+    @_without_device_mode
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
         self._require_low_latency()

@@ -139,6 +139,32 @@ def test_method_matches_deepep(name, static, params):
         assert p.default is not p.empty, f"Buffer.{name}: ep_plugin's extra parameter {p.name} needs a default"
 
 
+def test_default_device_mode_is_bypassed_only_when_alone():
+    from torch.overrides import TorchFunctionMode
+
+    from ep_plugin.buffer import _without_device_mode
+
+    seen = []
+
+    @_without_device_mode
+    def probe():
+        seen.append(torch._C._is_torch_function_mode_enabled())
+
+    class Tracing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.set_default_device("cpu")
+    try:
+        probe()
+        with Tracing():
+            probe()
+    finally:
+        torch.set_default_device(None)
+    probe()
+    assert seen == [False, True, False]
+
+
 def test_topk_idx_t_is_int64():
     assert ep_plugin.topk_idx_t is torch.int64
     assert isinstance(Buffer.is_sm90_compiled(), bool)
@@ -472,8 +498,7 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 def compat_rank(rank: int, R: int, group, backend: str, seed: int) -> dict:
     torch.set_default_dtype(torch.bfloat16)
-    if backend == "native":
-        torch.set_default_device("cuda")
+    torch.set_default_device("cuda" if backend == "native" else "cpu")  # the default-device mode is active
     ctx = Ctx(rank, R, group, backend, seed)
     results = run_each({name: (lambda fn=fn: fn(ctx)) for name, fn in CASES.items()}, CASES)
     if torch.cuda.is_available():
