@@ -134,8 +134,8 @@ class Buffer:
                                ranks_per_node=ranks_per_node, device=device)
         self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._default_configs = {}
-        self._local_regions = {}
-        self._low_latency_sizes_checked = set()  # get_local_buffer_tensor's regions (reference backend)
+        self._local_regions = {}  # get_local_buffer_tensor's regions (reference backend)
+        self._low_latency_sizes_checked = set()  # (T_max, hidden, num_experts) found to fit num_rdma_bytes
         self._last_checked_ids = None  # (weak reference, facts) of the topk_idx last checked
         # Reused for the two streams' ordering in every call (an event is re-recorded safely: a wait
         # takes the event's state when it is queued).
