@@ -6,11 +6,22 @@ rank 0 prints its functions by own time and by cumulative time. A call whose hos
 time leaves the GPU idle at small batches; this says which Python or C++ entry the time is spent in.
 
     python3 benchmarks/profile_host.py --tokens 128 --iters 200      # GPU machine, one rank per GPU
+
+`--eager` instead times what a DeepEP program pays per call when it calls eagerly (no CUDA graph):
+`get_dispatch_layout`, and a low-latency dispatch + combine pair (FP8 dispatch, T_max = --tokens),
+for ep_plugin and, where `deep_ep` is importable, DeepEP V1, each in its own launch of the same run
+(both start NVSHMEM), with and without torch.set_default_device("cuda") + set_default_dtype(bf16).
+"host" is the median host time of one call (perf_counter); "wall" is the time of --iters calls
+back to back divided by --iters, with one synchronisation at the end (the larger of host and GPU).
+
+    python3 benchmarks/profile_host.py --eager --tokens 128 --iters 500 --ranks 2
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
+import importlib.util
 import io
 import pstats
 import statistics
@@ -95,6 +106,71 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     return {"rank": rank, "host_us": host, "profile": report if rank == 0 else ""}
 
 
+def _eager_times(step: Callable[[], None], iters: int) -> Dict[str, float]:
+    for _ in range(20):  # warm-up
+        step()
+    _synchronize()
+    host = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - begin) * 1e6)
+    _synchronize()
+    begin = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _synchronize()
+    return {"host": statistics.median(host), "wall": (time.perf_counter() - begin) * 1e6 / iters}
+
+
+def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, library: str,
+               global_defaults: bool) -> Dict:
+    """One library's eager per-call times on this rank (ep_plugin or deep_ep; same calls, same data)."""
+    lib = importlib.import_module(library)
+    device = rank_device(rank)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16).to(device)
+    topk_idx = random_routing(args.tokens, args.experts, args.topk, device, generator)
+    topk_idx = topk_idx.to(getattr(lib, "topk_idx_t", torch.int64))
+    weights = torch.rand(args.tokens, args.topk, generator=generator).to(device)
+    if global_defaults:
+        torch.set_default_device("cuda")
+        torch.set_default_dtype(torch.bfloat16)
+    normal = lib.Buffer(group, args.nvl_bytes, 0, explicitly_destroy=True)
+    rdma = lib.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world_size, args.experts)
+    ll = lib.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=args.experts // world_size,
+                    explicitly_destroy=True)
+    recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
+    expert_out = torch.randn(recv_x[0].shape, generator=generator, dtype=torch.float32, device="cpu").to(
+        torch.bfloat16).to(device)
+    ll.low_latency_combine(expert_out, topk_idx, weights, handle)
+
+    def ll_pair():
+        _, _, pair_handle, _, _ = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
+        ll.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
+
+    times = {"get_dispatch_layout": _eager_times(lambda: normal.get_dispatch_layout(topk_idx, args.experts),
+                                                 args.iters),
+             "ll_dispatch+combine": _eager_times(ll_pair, args.iters)}
+    _synchronize()
+    ll.destroy()
+    normal.destroy()
+    return times
+
+
+def eager_main(args: argparse.Namespace, ranks: int) -> None:
+    libraries = ["ep_plugin"] + (["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])
+    print(f"eager per-call us, rank 0 (median host / wall per call over {args.iters}; {args.tokens} tokens x "
+          f"{args.hidden}, top-{args.topk} of {args.experts} experts, {ranks} ranks, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
+    for library in libraries:
+        for global_defaults in (False, True):
+            times = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
+            label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
+            print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
+                                             for name, t in times.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=None, help="default: one per GPU")
@@ -105,8 +181,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--top", type=int, default=30, help="functions listed per table")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30)
+    parser.add_argument("--eager", action="store_true", help="eager per-call times, ep_plugin and DeepEP V1")
     args = parser.parse_args()
     ranks = args.ranks or max(2, torch.cuda.device_count())
+    if args.eager:
+        eager_main(args, ranks)
+        return
     results = parallel_launch(ranks, profile_rank, args, timeout_s=600.0)
     print(f"host us per call (median of {args.iters} rounds; {args.tokens} tokens x {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, {ranks} ranks)")

@@ -3,10 +3,15 @@
 `ep_plugin.Buffer` is a drop-in for DeepEP V1's `deep_ep.Buffer`; `ep_plugin.load_config` reads the
 YAML configuration described in README.md.
 """
+import torch
+
 from .buffer import Buffer
 from .config import ConfigError, EpConfig, load_config
 from .event import EventHandle, EventOverlap
 from .tuning import Config
 
-__all__ = ["Buffer", "Config", "ConfigError", "EpConfig", "EventHandle", "EventOverlap", "load_config"]
+# DeepEP's dtype for expert ids (`topk_idx`): ep_plugin's kernels take int64 ids.
+topk_idx_t = torch.int64
+
+__all__ = ["Buffer", "Config", "ConfigError", "EpConfig", "EventHandle", "EventOverlap", "load_config", "topk_idx_t"]
 __version__ = "0.1.0"

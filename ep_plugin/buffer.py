@@ -7,12 +7,14 @@ semantics follow DeepEP V1; what ep_plugin adds is keyword-only (`config=`) or a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._device import DeviceContext
 
 from . import validation as V
 from .backends import select_backend
@@ -20,6 +22,7 @@ from .backends.base import Backend, DispatchRoute, GroupInfo
 from .config import EpConfig, as_config
 from .environment import apply_environment
 from .event import EventHandle, EventOverlap
+from .handles import DispatchHandle, LowLatencyHandle, all_gather_rows, unwrap
 from .topology import resolve_ranks_per_node
 from .tuning import Config, default_combine_config, default_dispatch_config
 from .tuning import get_low_latency_rdma_size_hint as _ll_size_hint
@@ -27,6 +30,28 @@ from .tuning import get_low_latency_rdma_size_hint as _ll_size_hint
 logger = logging.getLogger("ep_plugin")
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+# NOTE: torch's own test for an active torch-function mode (private; without it nothing is bypassed).
+_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+
+
+def _without_device_mode(method: Callable) -> Callable:
+    """Run `method` without torch's default-device mode.
+
+    `torch.set_default_device` installs a torch-function mode that every torch call then passes through
+    in Python (several us per call, tens of calls per dispatch). Every tensor ep_plugin creates names
+    its device, so where the default-device mode is the only one active, the call runs with torch
+    functions' overrides off; other modes (tracing, user modes) are left in place.
+    """
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if _function_mode_enabled() and all(
+                isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
+            with torch._C.DisableTorchFunction():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return call
 
 
 class Buffer:
@@ -45,10 +70,11 @@ class Buffer:
     num_sms: int = EpConfig().num_sms
     _num_sms_set_explicitly: bool = False
 
-    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Optional[object] = None, *,
                  config: Union[None, str, dict, EpConfig] = None) -> None:
         """Create the buffers (a collective: every rank of `group` must call it).
 
@@ -62,7 +88,12 @@ class Buffer:
             num_qps_per_rank: RDMA queue pairs per peer (network transports).
             allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink where peers share it.
             allow_mnnvl: allow multi-node NVLink.
+            use_fabric: DeepEP's fabric-API memory; ep_plugin maps its buffers by CUDA IPC and NVSHMEM,
+                so only False is accepted (docs/deepep-compat.md).
             explicitly_destroy: resources are released only by `destroy()`, not by the destructor.
+            enable_shrink: allow masking ranks in low-latency mode (`low_latency_update_mask_buffer`).
+            comm: DeepEP's mpi4py communicator for a process without `group`; ep_plugin needs a
+                torch.distributed group, so only None is accepted.
             config: ep_plugin's YAML config (an `EpConfig`, a path or a mapping); by default
                 `$EP_PLUGIN_CONFIG` or the built-in defaults. It supplies what DeepEP's arguments do
                 not: backend, transport, SMs, timeouts, tuning and environment.
@@ -71,6 +102,14 @@ class Buffer:
         self._settings = settings.replace(low_latency=dataclasses.replace(
             settings.low_latency, num_qps_per_rank=num_qps_per_rank,
             allow_nvlink=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl))
+        if group is None and comm is not None:
+            raise NotImplementedError("Buffer(comm=...) (an mpi4py communicator) is not supported: ep_plugin sets up "
+                                      "and runs over a torch.distributed ProcessGroup; pass group=")
+        if group is None:
+            raise ValueError("Buffer needs group (a torch.distributed ProcessGroup)")
+        if use_fabric:
+            raise NotImplementedError("Buffer(use_fabric=True) is not supported: ep_plugin shares its buffers by CUDA "
+                                      "IPC (one NVLink domain) and NVSHMEM; pass use_fabric=False")
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -88,12 +127,15 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = bool(enable_shrink)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ranks_per_node = resolve_ranks_per_node(group, settings.topology.ranks_per_node)
         self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,
                                ranks_per_node=ranks_per_node, device=device)
         self._comm_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._default_configs = {}
+        self._local_regions = {}  # get_local_buffer_tensor's regions (reference backend)
+        self._low_latency_sizes_checked = set()  # (T_max, hidden, num_experts) found to fit num_rdma_bytes
         self._last_checked_ids = None  # (weak reference, facts) of the topk_idx last checked
         # Reused for the two streams' ordering in every call (an event is re-recorded safely: a wait
         # takes the event's state when it is queued).
@@ -160,6 +202,16 @@ class Buffer:
 
     # ---- class-wide tuning (DeepEP API) ------------------------------------------------------
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether the native kernels are built (ep_plugin builds them for each architecture of
+        EP_PLUGIN_CUDA_ARCHS, SM90 by default, with no separate SM90-only feature switch)."""
+        try:
+            from . import _C  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SMs used by normal-mode kernels (even: one sender and one receiver per channel)."""
         if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2 != 0:
@@ -219,6 +271,41 @@ class Buffer:
         """The stream communication kernels run on (None on CPU)."""
         return self._comm_stream
 
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's raw buffer as a 1-D `dtype` tensor from byte `offset` (or `size`-shaped: the
+        first `size.numel()` elements), as DeepEP gives it.
+
+        The reference backend has no communication buffer: it keeps a private region of
+        `num_rdma_bytes` (use_rdma_buffer) or `num_nvl_bytes` on the buffer's device, allocated on first
+        use. The native backend's buffers hold its kernels' state at offsets of its own, so it raises.
+        """
+        backend = self._live_backend()
+        if backend.name != "reference":
+            raise NotImplementedError("get_local_buffer_tensor is not supported by the native backend: its buffers "
+                                      "hold kernel state (headers, rings) at offsets that differ from DeepEP's, and "
+                                      "writing them would corrupt a later call")
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int (bytes), got {offset!r}")
+        key = "rdma" if use_rdma_buffer else "nvl"
+        region = self._local_regions.get(key)
+        if region is None:
+            nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+            region = self._local_regions[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self._device())
+        element = dtype.itemsize
+        if offset > region.numel() or offset % element != 0:
+            raise ValueError(f"offset = {offset} bytes must be a multiple of {element} within the "
+                             f"{region.numel()}-byte buffer")
+        usable = (region.numel() - offset) // element * element
+        tensor = region[offset:offset + usable].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"size {tuple(size)} needs {size.numel()} elements; the buffer holds {tensor.numel()} "
+                             f"from offset {offset}")
+        return tensor[:size.numel()].view(size)
+
     # ---- stream and event plumbing -------------------------------------------------------------
     def _run(self, fn: Callable[[], tuple], inputs: List, previous_event: Optional[EventOverlap],
              async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[tuple, EventOverlap]:
@@ -235,6 +322,11 @@ class Buffer:
             # A caller whose current device is another GPU: set_stream below would switch its device.
             with torch.cuda.device(device_index):
                 return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
+        if not async_finish and previous_event is None and not allocate_on_comm_stream:
+            # The current stream would wait for the communication stream right away: running on it
+            # orders the same and spares two event waits, two stream switches and a record_stream
+            # per output (host time of an eager call).
+            return fn(), EventOverlap(None)
         # NOTE: streams and events by the buffer's device index, and two reused events: torch's
         # no-argument stream helpers look the current device up each time (a few us per call).
         compute_stream = torch.cuda.current_stream(device_index)
@@ -268,6 +360,7 @@ class Buffer:
         return self._info.device
 
     # ---- normal mode -------------------------------------------------------------------------
+    @_without_device_mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -295,6 +388,7 @@ class Buffer:
                                    [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
         return (*outputs, event)
 
+    @_without_device_mode
     def dispatch(self, x: XType, handle: Optional[object] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -311,11 +405,13 @@ class Buffer:
                 for 128-channel blocks; the scales travel with their token). Rows must be a
                 multiple of 16 bytes.
             handle: a handle from an earlier `dispatch`; reuses its layout (cached dispatch, e.g.
-                in the backward pass). Then `topk_idx` and `topk_weights` must be None.
+                in the backward pass). Then `topk_idx` and `topk_weights` must be None. It indexes
+                like DeepEP's tuple (`ep_plugin.handles`; handle[0] is the `[R, R]` rank prefix matrix).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
                 the outputs of `get_dispatch_layout` (required without `handle`).
-            topk_idx: `[T, K]` int64 (required without `handle`).
-            topk_weights: `[T, K]` float32, optional.
+            topk_idx: `[T, K]` int64, optional: without it rows go by `is_token_in_rank` alone and
+                recv_topk_idx / recv_topk_weights are None.
+            topk_weights: `[T, K]` float32, optional (needs `topk_idx`).
             expert_alignment: each entry of `num_recv_tokens_per_expert_list` is rounded up to a
                 multiple of this.
             num_worst_tokens: if > 0, outputs have exactly this many rows and the host never waits
@@ -328,7 +424,8 @@ class Buffer:
             recv_x: received tokens like `x` (tensor or tuple), ordered by source rank, then by
                 source token index.
             recv_topk_idx: `[N, K]` int64 ids of this rank's local experts (`e - rank * E_local`),
-                `-1` where the expert lives elsewhere or the token was not routed (None if cached).
+                `-1` where the expert lives elsewhere or the token was not routed (None if cached or
+                no topk_idx was given).
             recv_topk_weights: `[N, K]` float32, 0 where `recv_topk_idx` is -1 (None if cached or
                 no weights were given).
             num_recv_tokens_per_expert_list: list of E_local ints, tokens per local expert rounded
@@ -350,43 +447,53 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            self._check_handle(handle)
-            if data.size(0) != backend.handle_num_tokens(handle):
+            inner = self._check_handle(handle)
+            if data.size(0) != backend.handle_num_tokens(inner):
                 raise ValueError(f"x has {data.size(0)} tokens but the handle was made for "
-                                 f"{backend.handle_num_tokens(handle)}")
-            outputs, event = self._run(lambda: backend.cached_dispatch(data, scales, handle, config),
+                                 f"{backend.handle_num_tokens(inner)}")
+            outputs, event = self._run(lambda: backend.cached_dispatch(data, scales, inner, config),
                                        [data, scales], previous_event, async_finish, allocate_on_comm_stream)
             recv_x, recv_scales = outputs
             return (recv_x, recv_scales) if is_tuple else recv_x, None, None, None, None, event
 
         num_tokens = data.size(0)
         R = self.group_size
-        if topk_idx is None or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ValueError("dispatch without a handle needs topk_idx, num_tokens_per_rank, is_token_in_rank and "
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
                              "num_tokens_per_expert (from get_dispatch_layout)")
-        V.check_topk("topk_idx", topk_idx, num_tokens, device)
+        if topk_idx is not None:
+            V.check_topk("topk_idx", topk_idx, num_tokens, device)
         if topk_weights is not None:
+            if topk_idx is None:
+                raise ValueError("topk_weights needs topk_idx (the weights travel with the ids)")
             V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
         V.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), 1, device, (R,))
         V.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), 2, device, (num_tokens, R))
         V.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), 1, device)
         num_experts = num_tokens_per_expert.size(0)
         V.check_num_experts(num_experts, R)
-        self._check_expert_ids(topk_idx, num_experts)
+        if topk_idx is not None:
+            self._check_expert_ids(topk_idx, num_experts)
         if num_worst_tokens == 0 and V.is_capturing():
             raise RuntimeError("dispatch under CUDA-graph capture needs num_worst_tokens > 0 "
                                "(otherwise the host must wait for the received-token count)")
         inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert]
         outputs, event = self._run(
-            lambda: backend.dispatch(data, scales, topk_idx.contiguous(),
+            lambda: backend.dispatch(data, scales, None if topk_idx is None else topk_idx.contiguous(),
                                      None if topk_weights is None else topk_weights.contiguous(),
                                      num_tokens_per_rank, is_token_in_rank.contiguous(), num_tokens_per_expert,
                                      expert_alignment, num_worst_tokens, config),
             inputs, previous_event, async_finish, allocate_on_comm_stream)
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, new_handle = outputs
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, inner = outputs
+        new_handle = DispatchHandle(inner, is_token_in_rank, self.rank, self._info.is_intranode, self._gather_counts)
         return ((recv_x, recv_scales) if is_tuple else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
                 new_handle, event)
 
+    def _gather_counts(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's send counts (a collective over the group; see `handles.DispatchHandle`)."""
+        return all_gather_rows(self.group, row)
+
+    @_without_device_mode
     def combine(self, x: torch.Tensor, handle: object, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -410,7 +517,7 @@ class Buffer:
         """
         backend = self._live_backend()
         device = self._device()
-        self._check_handle(handle)
+        handle = self._check_handle(handle)
         num_rows = backend.handle_num_recv_rows(handle)
         V.check_tensor("x", x, (torch.bfloat16,), 2, device, (num_rows, None))
         V.check_row_bytes("x", x)
@@ -430,6 +537,38 @@ class Buffer:
         combined_x, combined_weights = outputs
         return combined_x, combined_weights, event
 
+    def internode_dispatch(self, x: XType, handle: Optional[object] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """`dispatch` across nodes (DeepEP's entry point; `dispatch` picks it by itself). `config` is required."""
+        self._require_internode("internode_dispatch", config)
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: Union[tuple, list, object],
+                          topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """`combine` across nodes (DeepEP's entry point; `combine` picks it by itself). `config` is required."""
+        self._require_internode("internode_combine", config)
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
+    def _require_internode(self, name: str, config: Optional[Config]) -> None:
+        if config is None:
+            raise ValueError(f"{name} needs config (dispatch / combine choose a default one)")
+        if self._info.is_intranode:
+            raise RuntimeError(f"{name} needs ranks on more than one node; this group is one node: call "
+                               f"{name.split('_')[1]}")
+
     def _check_expert_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
         """With `check_inputs`: every id is -1 or an expert (a host sync). A dispatch given the tensor
         that its layout call just checked, unmodified since (same version counter), skips the second."""
@@ -442,11 +581,13 @@ class Buffer:
         V.check_expert_ids("topk_idx", topk_idx, num_experts)
         self._last_checked_ids = (weakref.ref(topk_idx), facts)
 
-    def _check_handle(self, handle: object) -> None:
-        owner = getattr(handle, "owner", None)
-        if owner is not self._backend:
+    def _check_handle(self, handle: object) -> object:
+        """The backend's own handle inside `handle`, which must come from this Buffer's dispatch."""
+        inner = unwrap(handle)
+        if getattr(inner, "owner", None) is not self._backend:
             raise ValueError("handle does not come from this Buffer's dispatch "
                              f"(got {type(handle).__name__})")
+        return inner
 
     def _check_config(self, config: Config) -> None:
         if not isinstance(config, Config):
@@ -458,17 +599,22 @@ class Buffer:
             raise RuntimeError("low-latency kernels need a Buffer created with low_latency_mode=True")
 
     def _check_low_latency_size(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if sizes in self._low_latency_sizes_checked:  # once per sizes: the buffer does not change
+            return
         needed = _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         if self._backend.name == "native" and self.num_rdma_bytes < needed:
             raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
+        self._low_latency_sizes_checked.add(sizes)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset low-latency state (needed after normal-mode kernels used the same buffer)."""
         self._require_low_latency()
         self._live_backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @_without_device_mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
@@ -556,11 +702,12 @@ class Buffer:
                                                  cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                                  use_ue8m0, return_recv_hook, topk_weights),
             [x, topk_idx, cumulative_local_expert_recv_stats, topk_weights], None, async_finish, False)
-        recv_x, recv_count, handle, hook = outputs
+        recv_x, recv_count, inner, hook = outputs
         if topk_weights is not None:
-            handle.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
-        return recv_x, recv_count, handle, event, hook
+            inner.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
+        return recv_x, recv_count, LowLatencyHandle(inner), event, hook
 
+    @_without_device_mode
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: object, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -570,7 +717,8 @@ class Buffer:
 
         Arguments:
             x: `[E_local, R * T_max, H]` bf16 expert outputs, in the slots `low_latency_dispatch`
-                filled (with `zero_copy`, the tensor from `get_next_low_latency_combine_buffer`).
+                filled. With `zero_copy` the caller has already written them into the tensor of
+                `get_next_low_latency_combine_buffer(handle)`, and x's data is not read (only its shape).
             topk_idx: `[T, K]` int64, the ids given to the matching dispatch.
             topk_weights: `[T, K]` float32 weights.
             handle: from `low_latency_dispatch`.
@@ -590,7 +738,7 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats is not supported by ep_plugin; pass None")
         V.check_hook_without_async(async_finish, return_recv_hook)
-        self._check_handle(handle)
+        handle = self._check_handle(handle)
         V.check_tensor("x", x, (torch.bfloat16,), 3, device, tuple(handle.recv_shape))
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
         V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
@@ -606,8 +754,33 @@ class Buffer:
         combined_x, hook = outputs
         return combined_x, event, hook
 
+    # ---- rank masking (DeepEP's shrink mode) ------------------------------------------------------
+    def _require_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")
+        self._require_low_latency()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (`mask=True`) or unmask `rank_to_mask`: later low-latency calls of this rank neither send
+        to nor receive from it; its experts' outputs count as zero in the combine."""
+        self._require_shrink()
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        self._live_backend().update_mask_buffer(rank_to_mask, bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write each rank's mask status into `mask_status` (`[R]` int32: 1 masked, 0 not)."""
+        self._require_shrink()
+        V.check_tensor("mask_status", mask_status, (torch.int32,), 1, self._device(), (self.group_size,))
+        self._live_backend().query_mask_buffer(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._require_shrink()
+        self._live_backend().clean_mask_buffer()
+
+    @_without_device_mode
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
         self._require_low_latency()
-        self._check_handle(handle)
-        return self._live_backend().get_next_low_latency_combine_buffer(handle)
+        return self._live_backend().get_next_low_latency_combine_buffer(self._check_handle(handle))

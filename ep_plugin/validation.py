@@ -55,7 +55,7 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
     """Expert ids must be -1 (not routed) or in [0, num_experts). One host sync; skipped under capture."""
     if topk_idx.numel() == 0 or is_capturing():
         return
-    low, high = (int(v) for v in torch.aminmax(topk_idx))
+    low, high = torch.stack(torch.aminmax(topk_idx)).tolist()  # one device-to-host copy, not two
     if low >= -1 and high < num_experts:
         return
     bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()

@@ -278,7 +278,7 @@ def case_bad_inputs(ctx: Ctx) -> None:
         buf.dispatch(x[:, :60], topk_idx=topk, **layout)
     with pytest.raises(ValueError, match="topk_weights must have size"):
         buf.dispatch(x, topk_idx=topk, topk_weights=torch.ones(2, 3, device=dev), **layout)
-    with pytest.raises(ValueError, match="needs topk_idx"):
+    with pytest.raises(ValueError, match="needs num_tokens_per_rank, is_token_in_rank"):
         buf.dispatch(x, topk_idx=topk)
     # Handles: from another Buffer, of the wrong kind, or not a handle.
     recv, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, **layout)

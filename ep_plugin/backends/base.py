@@ -4,7 +4,8 @@
 events; a backend receives canonical, validated inputs and returns plain tensors. Backends run on
 the current CUDA stream (Buffer makes its communication stream current) and allocate there.
 
-Handles are opaque to users. Every handle carries `owner` (the backend that made it, so that
+A backend's handles are wrapped by `ep_plugin.handles` into DeepEP's tuples (the positions read
+the fields named there); backends get their own handle back. Every handle carries `owner` (the backend that made it, so that
 Buffer can reject foreign handles); a low-latency handle also carries `num_tokens` (T of the
 dispatch) and `recv_shape` ((E_local, R * T_max, H), the shape combine's `x` must have). The semantics of
 each operation are written down in `Buffer`'s docstrings and in docs/design.md; the reference
@@ -87,11 +88,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int,
                  config: Config) -> DispatchOutput:
-        """Non-cached dispatch; see `Buffer.dispatch`."""
+        """Non-cached dispatch; see `Buffer.dispatch`. Without `topk_idx` (then no `topk_weights`) rows go
+        by `is_token_in_rank` alone and recv_topk_idx / recv_topk_weights are None."""
 
     @abc.abstractmethod
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: object,
@@ -136,6 +138,24 @@ class Backend(abc.ABC):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Reset the state low-latency kernels rely on (after normal-mode use of the same buffer)."""
+
+    # ---- rank masking (DeepEP's shrink mode, low-latency) -------------------------------------------
+    def update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
+        """Mask (True) or unmask `rank_to_mask`: later low-latency calls neither send to nor receive from it."""
+        raise NotImplementedError(self._no_masking())
+
+    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write 1 (masked) or 0 per rank into `mask_status` ([R] int32)."""
+        raise NotImplementedError(self._no_masking())
+
+    def clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        raise NotImplementedError(self._no_masking())
+
+    def _no_masking(self) -> str:
+        return (f"rank masking (enable_shrink=True, low_latency_*_mask_buffer) is not implemented by the {self.name} "
+                "backend yet: it belongs to the fault-tolerance work (masking a peer that stops answering on the "
+                "device); use backend: reference for its semantics")
 
     def destroy(self, collective: bool = True) -> None:
         """Release device resources; the backend is unusable afterwards.

@@ -79,7 +79,7 @@ class IntranodeMode(NativeBase):
         """The intranode kernels among the ranks of this node: notify, the host's wait for the received
         count (unless `num_worst_tokens`), outputs, dispatch. `is_token_in_rank` is `[T, ranks of the
         node]` and expert ids count from the node's first expert. Returns DeepEP's dispatch outputs."""
-        T, K = topk_idx.shape
+        T, K = is_token_in_rank.size(0), 0 if topk_idx is None else topk_idx.size(1)
         R = is_token_in_rank.size(1)
         num_experts = num_tokens_per_expert.size(0)
         num_local_experts = local_experts(num_experts, R)
@@ -95,7 +95,8 @@ class IntranodeMode(NativeBase):
         args = _C.NotifyArgs()
         args.is_token_in_rank = address_of(is_token_in_rank)
         args.num_tokens_per_expert = address_of(num_tokens_per_expert)
-        args.topk_idx = address_of(topk_idx)
+        # NOTE: without top-k (K = 0) notify reads no id; it still wants an address for T > 0 tokens.
+        args.topk_idx = address_of(topk_idx if topk_idx is not None else is_token_in_rank)
         args.num_tokens, args.num_topk, args.num_experts = T, K, num_experts
         args.expert_alignment, args.num_worst_tokens, args.host_tag = expert_alignment, num_worst_tokens, host_tag
         args.row_layout = _C.pack_row_layout(x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1),
@@ -116,7 +117,7 @@ class IntranodeMode(NativeBase):
         (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), has_room = self._recv_outputs(
             direct, [((rows, x.size(1)), x.dtype),
                      None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
-                     ((rows, K), torch.int64),
+                     None if topk_idx is None else ((rows, K), torch.int64),
                      None if topk_weights is None else ((rows, K), torch.float32),
                      ((rows,), torch.int32)])
         self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,

@@ -198,11 +198,11 @@ class LowLatencyMode(NativeBase):
         if tuple(topk_idx.shape) != (handle.num_tokens, handle.num_topk):
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's had "
                              f"{(handle.num_tokens, handle.num_topk)}")
-        # NOTE: the staging tensor only when zero_copy (the caller filled it, so it exists): wrapping
-        # the symmetric buffer asks CUDA for the pointer's device, which a graph capture need not allow.
-        if zero_copy and x.data_ptr() != self.get_next_low_latency_combine_buffer(handle).data_ptr():
-            raise ValueError("low_latency_combine(zero_copy=True): x must be the tensor returned by "
-                             "get_next_low_latency_combine_buffer(handle), filled with the expert outputs")
+        # zero_copy: the caller wrote the expert outputs into the staging area; x's data is not read. NOTE:
+        # the staging tensor only then (the caller filled it, so it exists): wrapping the symmetric buffer
+        # asks CUDA for the pointer's device, which a graph capture need not allow.
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
         T, K = topk_idx.shape
         combined = out if out is not None else self._empty(T, handle.hidden, dtype=torch.bfloat16)
 

@@ -89,6 +89,10 @@ class NativeBackend(InternodeMode, LowLatencyMode):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
         if self._net is not None:
+            if topk_idx is None:
+                raise NotImplementedError("dispatch without topk_idx across nodes is not supported by the native "
+                                          "backend (its intranode stage routes forwarded rows by their expert ids); "
+                                          "pass topk_idx, or use backend: reference")
             return self._internode_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                                             num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
         self._check_sms(config)

@@ -51,9 +51,10 @@ class DispatchHandle:
     send_token_idx: torch.Tensor     # [sum(send_counts)] int64: the token of each sent row
     send_counts: List[int]           # [R] rows sent to each rank
     recv_counts: List[int]           # [R] rows received from each rank
-    recv_src_idx: torch.Tensor       # [num_recv_tokens] int64: source token index of each received row
+    recv_src_idx: torch.Tensor       # [num_recv_rows] int32: source token index of each received row (-1: padding)
     num_recv_tokens: int             # received rows
     num_recv_rows: int               # rows of recv_x: received rows, or num_worst_tokens
+    rank_count_matrix: List[List[int]]  # [R][R]: rows rank j receives from rank s, at [s][j]
 
     @property
     def recv_shape(self):
@@ -78,8 +79,11 @@ class LowLatencyHandle:
     send_k: torch.Tensor             # [M] int64: top-k position of each sent message
     send_counts: List[int]           # [R] messages sent to each rank
     recv_counts: List[int]           # [R] messages received from each rank
-    recv_expert: torch.Tensor        # [N] int64: local expert of each received message
+    recv_expert: torch.Tensor        # [N] int64: local expert of each kept received message
     recv_slot: torch.Tensor          # [N] int64: its slot in that expert's rows
+    recv_src_token: torch.Tensor     # [E_local, R * T_max] int32: source token index of each slot (-1: empty)
+    recv_layout: torch.Tensor        # [E_local, R] int64: first slot << 32 | count, per source rank
+    recv_kept: Optional[torch.Tensor]  # [N] int64: which received messages were kept (None: all; masking)
     combine_buffer: Optional[torch.Tensor] = field(default=None)
     dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
@@ -223,7 +227,7 @@ class ReferenceBackend(Backend):
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int,
                  config: Config) -> DispatchOutput:
@@ -239,16 +243,21 @@ class ReferenceBackend(Backend):
         error = 0
         if send_counts != num_tokens_per_rank.tolist():
             error |= _ERR_TOKENS_PER_RANK
-        if not torch.equal(_count_ids(topk_idx, num_experts).to(torch.int32), num_tokens_per_expert):
+        if topk_idx is not None and not torch.equal(_count_ids(topk_idx, num_experts).to(torch.int32),
+                                                    num_tokens_per_expert):
             error |= _ERR_TOKENS_PER_EXPERT
 
-        token_idx = torch.arange(num_tokens, dtype=torch.int64, device=device).unsqueeze(1)
-        fields = [x] + ([x_scales] if x_scales is not None else []) + [topk_idx] + \
+        token_idx = torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
+        fields = [x] + ([x_scales] if x_scales is not None else []) + \
+            ([topk_idx] if topk_idx is not None else []) + \
             ([topk_weights] if topk_weights is not None else []) + [token_idx]
         layout = _RowLayout(fields)
 
-        # Every rank learns every rank's counts, limit and verdict, so all of them fail together.
-        meta = self._exchange_meta([send_counts + [num_worst_tokens, layout.row_bytes, error]] * num_ranks, device)
+        # Every rank learns every rank's counts, limit and verdict, so all of them fail together; and
+        # the tokens it sends to each of the destination's experts (num_recv_tokens_per_expert_list).
+        base = send_counts + [num_worst_tokens, layout.row_bytes, error]
+        per_expert_sent = num_tokens_per_expert.view(num_ranks, num_local_experts).tolist()
+        meta = self._exchange_meta([base + per_expert_sent[dst] for dst in range(num_ranks)], device)
         self._check_dispatch_meta(meta)
         recv_counts = [meta[src][rank] for src in range(num_ranks)]
         num_recv_tokens = sum(recv_counts)
@@ -259,29 +268,33 @@ class ReferenceBackend(Backend):
         unpacked = layout.unpack(_pad_rows(received, num_recv_rows))
         recv_x = unpacked.pop(0)
         recv_x_scales = unpacked.pop(0) if x_scales is not None else None
-        recv_global_idx = unpacked.pop(0)
+        recv_global_idx = unpacked.pop(0) if topk_idx is not None else None
         recv_weights = unpacked.pop(0) if topk_weights is not None else None
-        recv_src_idx = unpacked.pop(0).reshape(-1)[:num_recv_tokens]
+        recv_src_idx = unpacked.pop(0).reshape(-1)
+        recv_src_idx[num_recv_tokens:] = -1
 
-        # Keep this rank's experts as local ids; padding rows route nowhere.
-        local_idx = recv_global_idx - rank * num_local_experts
-        is_real = (torch.arange(num_recv_rows, device=device) < num_recv_tokens).unsqueeze(1)
-        is_local = is_real & (recv_global_idx >= 0) & (local_idx >= 0) & (local_idx < num_local_experts)
-        recv_topk_idx = torch.where(is_local, local_idx, -1)
-        recv_topk_weights = None
-        if recv_weights is not None:
-            recv_topk_weights = torch.where(is_local, recv_weights, torch.zeros_like(recv_weights))
+        recv_topk_idx = recv_topk_weights = None
+        if recv_global_idx is not None:
+            # Keep this rank's experts as local ids; padding rows route nowhere.
+            local_idx = recv_global_idx - rank * num_local_experts
+            is_real = (torch.arange(num_recv_rows, dtype=torch.int64, device=device) < num_recv_tokens).unsqueeze(1)
+            is_local = is_real & (recv_global_idx >= 0) & (local_idx >= 0) & (local_idx < num_local_experts)
+            recv_topk_idx = torch.where(is_local, local_idx, -1)
+            if recv_weights is not None:
+                recv_topk_weights = torch.where(is_local, recv_weights, torch.zeros_like(recv_weights))
 
-        if num_worst_tokens > 0:
-            per_expert: List[int] = []
-        else:
-            counts = _count_ids(recv_topk_idx, num_local_experts)
-            per_expert = ((counts + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+        per_expert: List[int] = []
+        if num_worst_tokens == 0:
+            first = num_ranks + 3
+            for e in range(num_local_experts):
+                count = sum(row[first + e] for row in meta)
+                per_expert.append((count + expert_alignment - 1) // expert_alignment * expert_alignment)
 
         handle = DispatchHandle(owner=self, num_tokens=num_tokens, is_token_in_rank=is_token_in_rank,
                                 send_token_idx=send_token_idx, send_counts=send_counts, recv_counts=recv_counts,
                                 recv_src_idx=recv_src_idx, num_recv_tokens=num_recv_tokens,
-                                num_recv_rows=num_recv_rows)
+                                num_recv_rows=num_recv_rows,
+                                rank_count_matrix=[row[:num_ranks] for row in meta])
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
     def _check_dispatch_meta(self, meta: List[List[int]]) -> None:
@@ -372,8 +385,11 @@ class ReferenceBackend(Backend):
         num_local_experts = num_experts // num_ranks
         num_slots = num_ranks * num_max_dispatch_tokens_per_rank
 
-        # One message per routed (token, k), ordered by (destination rank, token, k).
-        token, k = ((topk_idx >= 0) & (topk_idx < num_experts)).nonzero(as_tuple=True)
+        # One message per routed (token, k), ordered by (destination rank, token, k); none to masked ranks.
+        routed = (topk_idx >= 0) & (topk_idx < num_experts)
+        if self._masked_ranks:
+            routed &= ~self._rank_mask(device)[torch.where(routed, topk_idx, 0) // num_local_experts]
+        token, k = routed.nonzero(as_tuple=True)
         expert = topk_idx[token, k]
         dest = expert // num_local_experts
         order = torch.argsort(dest * (num_tokens * top_k) + token * top_k + k)
@@ -400,16 +416,23 @@ class ReferenceBackend(Backend):
         recv_counts = [row[0] for row in meta]
 
         received = layout.unpack(self._all_to_all(layout.pack(fields), send_counts, recv_counts))
+        recv_src = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device=device),
+                                           torch.tensor(recv_counts, dtype=torch.int64, device=device))
+        recv_kept = None
+        if self._masked_ranks:  # messages from masked ranks are dropped
+            recv_kept = (~self._rank_mask(device)[recv_src]).nonzero().reshape(-1)
+            received = [part[recv_kept] for part in received]
+            recv_src = recv_src[recv_kept]
         recv_expert = received[-1].reshape(-1)
         num_recv = recv_expert.size(0)
 
         # Slot of a message: its position among its expert's messages in arrival order (source rank,
         # then token, then k).
         recv_count = _count_ids(recv_expert, num_local_experts)
-        by_expert = torch.argsort(recv_expert * max(num_recv, 1) + torch.arange(num_recv, device=device))
+        by_expert = torch.argsort(recv_expert * max(num_recv, 1) + torch.arange(num_recv, dtype=torch.int64, device=device))
         first_slot = torch.cumsum(recv_count, 0) - recv_count
         recv_slot = torch.empty_like(recv_expert)
-        recv_slot[by_expert] = torch.arange(num_recv, device=device) - first_slot[recv_expert[by_expert]]
+        recv_slot[by_expert] = torch.arange(num_recv, dtype=torch.int64, device=device) - first_slot[recv_expert[by_expert]]
         most = int(recv_count.max())
         if most > num_slots:
             raise RuntimeError(f"low_latency_dispatch on rank {rank}: a local expert receives {most} tokens, more "
@@ -429,6 +452,9 @@ class ReferenceBackend(Backend):
         else:
             recv_x = torch.zeros(shape, dtype=torch.bfloat16, device=device)
             recv_x[recv_expert, recv_slot] = received[0]
+        recv_src_token = torch.full((num_local_experts, num_slots), -1, dtype=torch.int32, device=device)
+        recv_src_token[recv_expert, recv_slot] = received[-2].reshape(-1).to(torch.int32)
+        recv_layout = self._slot_ranges(recv_expert, recv_src, num_local_experts)
         recv_count = recv_count.to(torch.int32)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(recv_count)
@@ -437,15 +463,30 @@ class ReferenceBackend(Backend):
                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                   num_experts=num_experts, topk_idx=topk_idx.clone(), send_token=token,
                                   send_k=k, send_counts=send_counts, recv_counts=recv_counts,
-                                  recv_expert=recv_expert, recv_slot=recv_slot)
+                                  recv_expert=recv_expert, recv_slot=recv_slot, recv_src_token=recv_src_token,
+                                  recv_layout=recv_layout, recv_kept=recv_kept)
         return recv_x, recv_count, handle, (_receive_complete if return_recv_hook else None)
+
+    def _slot_ranges(self, recv_expert: torch.Tensor, recv_src: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+        """[E_local, R] int64: first slot << 32 | count of each source rank's messages per local expert
+        (slots are by source rank, so each source's are contiguous)."""
+        num_ranks = self.info.num_ranks
+        pair = recv_expert * num_ranks + recv_src
+        counts = _count_ids(pair, num_local_experts * num_ranks).view(num_local_experts, num_ranks)
+        first = torch.cumsum(counts, dim=1) - counts
+        return torch.bitwise_left_shift(first, 32) | counts
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: object, zero_copy: bool, return_recv_hook: bool,
                             out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
         handle = self._low_latency_handle(handle)
-        # With zero_copy, x is the tensor of get_next_low_latency_combine_buffer: reading it is the same.
+        if zero_copy:  # the caller wrote the expert outputs into the combine buffer; x's data is not read
+            x = self.get_next_low_latency_combine_buffer(handle)
         rows = x[handle.recv_expert, handle.recv_slot]
+        if handle.recv_kept is not None:  # messages from masked ranks go back as zeros
+            kept = rows
+            rows = torch.zeros((sum(handle.recv_counts), kept.size(1)), dtype=kept.dtype, device=kept.device)
+            rows[handle.recv_kept] = kept
         returned = self._all_to_all(rows, handle.recv_counts, handle.send_counts)  # in send order
         # Checked after the exchange, so that no other rank is left waiting in it.
         if topk_idx.shape != handle.topk_idx.shape:
@@ -481,7 +522,28 @@ class ReferenceBackend(Backend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Nothing to reset: the reference keeps no state between calls."""
+        """Nothing to reset: the reference keeps no state between calls (but the rank mask)."""
+
+    # ---- rank masking (low-latency shrink mode) ---------------------------------------------------
+    # A masked rank is neither sent to nor received from: its experts' outputs count as zero in the
+    # combine, and its tokens are dropped. The mask is this rank's own (as DeepEP's mask buffer is).
+    _masked_ranks: frozenset = frozenset()
+
+    def _rank_mask(self, device: torch.device) -> torch.Tensor:
+        mask = torch.zeros(self.info.num_ranks, dtype=torch.bool, device=device)
+        mask[list(self._masked_ranks)] = True
+        return mask
+
+    def update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
+        ranks = set(self._masked_ranks)
+        (ranks.add if mask else ranks.discard)(rank_to_mask)
+        self._masked_ranks = frozenset(ranks)
+
+    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        mask_status.copy_(self._rank_mask(mask_status.device).to(torch.int32))
+
+    def clean_mask_buffer(self) -> None:
+        self._masked_ranks = frozenset()
 
     def _low_latency_handle(self, handle: object) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle):
