@@ -121,7 +121,8 @@ void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_token
                      int num_tokens,
                      int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx,
                      uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t send_pos, uintptr_t bias_0,
-                     uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights, uintptr_t stream) {
+                     uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights, uintptr_t stream,
+                     int64_t push_staging_bytes) {
   intranode::CombineArgs args{};
   args.num_channels = num_channels;
   args.recv_tokens_per_channel = recv_tokens_per_channel;
@@ -139,7 +140,8 @@ void runtime_combine(IntranodeRuntime& runtime, int num_channels, int recv_token
   args.bias_1 = pointer<const uint8_t>(bias_1, "bias_1", false, 16);
   args.combined_x = pointer<uint8_t>(combined_x, "combined_x", num_tokens > 0, 16);
   args.combined_topk_weights = pointer<float>(combined_topk_weights, "combined_topk_weights", false);
-  runtime.combine(args, as_stream(stream));
+  if (push_staging_bytes > 0) runtime.push_combine(args, push_staging_bytes, as_stream(stream));
+  else runtime.combine(args, as_stream(stream));
 }
 
 void runtime_staged_combine(IntranodeRuntime& runtime, int num_tokens, int hidden, int num_topk, uintptr_t x,
@@ -267,6 +269,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_ranks"), py::arg("staging_bytes"), py::arg("hidden"),
       "Rows per peer a copy-engine staging area of staging_bytes holds (pure function, no GPU needed).");
 
+  // ---- push combine ----
+  m.attr("PUSH_CHUNK_TOKENS") = intranode::kPushChunkTokens;
+  m.def(
+      "push_staging_tokens",
+      [](int num_ranks, int64_t staging_bytes, int hidden) {
+        return intranode::PushStagingLayout::fit(num_ranks, 0, staging_bytes, 2LL * hidden).capacity;
+      },
+      py::arg("num_ranks"), py::arg("staging_bytes"), py::arg("hidden"),
+      "Owner tokens a push combine's staging area of staging_bytes holds (pure function, no GPU needed).");
+
   m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
         py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
@@ -352,7 +364,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("send_chunk"), py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("x"), py::arg("topk_weights"),
            py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
            py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
-           py::arg("stream"))
+           py::arg("stream"), py::arg("push_staging_bytes") = 0,
+           "The SM combine through rings; push_staging_bytes > 0 (every rank's smallest staging area, every "
+           "rank alike): the push combine (IntranodeRuntime::push_combine).")
       .def("staged_combine", &runtime_staged_combine, py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"),
            py::arg("x"), py::arg("topk_weights"), py::arg("send_pos"), py::arg("bias_0"), py::arg("bias_1"),
            py::arg("combined_x"), py::arg("combined_topk_weights"), py::arg("rows_from"), py::arg("staging_bytes"),

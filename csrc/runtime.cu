@@ -43,6 +43,8 @@ const char* wait_name(int kind) {
       return "its rows of this dispatch (copy-engine rows: the peer's copy into the staging area has not landed)";
     case kWaitPeerMetadata:
       return "its source indices (direct dispatch with copy-engine rows: the peer has not written them)";
+    case kWaitPushEntered: return "it to enter the same combine (push combine: its staging area may still be read)";
+    case kWaitPushRows: return "a chunk of its rows (push combine: the peer has not pushed them)";
     default: return "a signal";
   }
 }

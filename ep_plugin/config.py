@@ -31,6 +31,9 @@ LIBFABRIC_PROVIDERS = ("cxi", "efa", "verbs")
 # How the low-latency combine's expert-side sums cross to the token's rank (low_latency_dispatch given
 # topk_weights): rounded to bf16 (half the bytes), or as fp32.
 EXPERT_SUMS_PARTIALS = ("bf16", "fp32")
+# The intranode combine at 3-8 ranks (native backend): `auto` picks the measured default (rings),
+# `rings` the SM combine through per-warp rings, `push` the push combine into the owners' staging areas.
+COMBINE_ALGORITHMS = ("auto", "rings", "push")
 # NVSHMEM's IBGDA bounds on NVSHMEM_QP_DEPTH (NVSHMEMI_IBGDA_MIN/MAX_QP_DEPTH).
 QP_DEPTH_RANGE = (128, 32768)
 
@@ -49,6 +52,12 @@ class TuningSection:
     nvl_chunked_recv_tokens: Optional[int] = None
     rdma_chunked_send_tokens: Optional[int] = None
     rdma_chunked_recv_tokens: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CombineSection(TuningSection):
+    """The combine's chunk sizes and, at 3-8 ranks on one node, its algorithm (COMBINE_ALGORITHMS)."""
+    algorithm: str = AUTO
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,7 @@ class EpConfig:
     log_level: str = "info"
     buffer: BufferSection = field(default_factory=BufferSection)
     dispatch: TuningSection = field(default_factory=TuningSection)
-    combine: TuningSection = field(default_factory=TuningSection)
+    combine: CombineSection = field(default_factory=CombineSection)
     low_latency: LowLatencySection = field(default_factory=LowLatencySection)
     topology: TopologySection = field(default_factory=TopologySection)
     network: NetworkSection = field(default_factory=NetworkSection)
@@ -127,7 +136,7 @@ class EpConfig:
 _SECTIONS = {
     "buffer": BufferSection,
     "dispatch": TuningSection,
-    "combine": TuningSection,
+    "combine": CombineSection,
     "low_latency": LowLatencySection,
     "topology": TopologySection,
     "network": NetworkSection,
@@ -227,8 +236,10 @@ def _validate_section(source: Optional[str], name: str, value: Any):
             raise _fail(source, f"{name}.{key}", f"unknown key; allowed: {', '.join(sorted(known))}")
     merged = {**dataclasses.asdict(cls()), **value}
     k = lambda sub: f"{name}.{sub}"  # noqa: E731
-    if cls is TuningSection:
-        for sub in sorted(known):
+    if issubclass(cls, TuningSection):
+        if cls is CombineSection:
+            merged["algorithm"] = _check_choice(source, k("algorithm"), merged["algorithm"], COMBINE_ALGORITHMS)
+        for sub in sorted(f.name for f in dataclasses.fields(TuningSection)):
             merged[sub] = _check_int(source, k(sub), merged[sub], minimum=1, maximum=1 << 16, allow_none=True)
         for leg in ("nvl", "rdma"):
             send, recv = merged[f"{leg}_chunked_send_tokens"], merged[f"{leg}_chunked_recv_tokens"]

@@ -44,6 +44,8 @@ enum WaitKind : int32_t {
   kWaitPeerRows = 10,       // direct dispatch: the peer has not finished writing its rows here
   kWaitStagedDispatchRows = 11,  // direct dispatch, copy-engine rows: the peer's copy has not landed
   kWaitPeerMetadata = 12,   // direct dispatch, copy-engine rows: the peer has not written its source indices
+  kWaitPushEntered = 13,    // push combine, sender: the owner has not entered the same combine
+  kWaitPushRows = 14,       // push combine, owner: a chunk of the peer's rows has not landed
 };
 
 struct DeviceStatus {

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..tuning import (INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, output_region_bytes,
-                      staging_bytes)
+from ..tuning import (INTERNODE_MAX_CHANNELS, Config, combine_algorithm, default_combine_config, default_dispatch_config,
+                      output_region_bytes, push_staging_bytes, staging_bytes)
 from ..output_region import OutputRegion
 from .base import Backend, DispatchRoute, GroupInfo
 
@@ -221,10 +221,12 @@ class NativeBackend(Backend):
             raise RuntimeError(f"native backend unavailable: {reason}")
         self._runtime = None
         self._staging_bytes = 0
+        # combine.algorithm: push (3-8 ranks): the push combine, through the staging area.
+        self._push_combine = False
         self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
         self._copy_engine_dispatch = False
         self._side_stream: Optional[torch.cuda.Stream] = None
-        self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
+        self.last_combine_path = ""  # "copy_engine", "push" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         # How many of this rank's tokens (its last ones) had their rows of the last direct dispatch cross NVLink
         # by copy engine; the SMs stored the others' rows.
@@ -240,7 +242,10 @@ class NativeBackend(Backend):
             self._net = self._start_internode(num_rdma_bytes)
         elif not low_latency_mode or self._normal_mode_possible(num_nvl_bytes):
             # The copy-engine combine's staging area: only for buffers made for normal mode.
-            staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
+            self._push_combine = (not low_latency_mode
+                                  and combine_algorithm(settings.combine.algorithm, info.num_ranks) == "push")
+            staging = (0 if low_latency_mode else push_staging_bytes(settings.buffer, info.num_ranks)
+                       if self._push_combine else staging_bytes(settings.buffer, info.num_ranks))
             output_bytes = 0 if low_latency_mode else output_region_bytes(settings.buffer, info.num_ranks)
             self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
                                                 output_bytes)
@@ -252,8 +257,10 @@ class NativeBackend(Backend):
             if output_bytes > 0:
                 self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
         # Copy-engine rows for the direct dispatch (buffer.dispatch_copy_engine): through the staging area.
+        # (Not with the push combine: its rows, never refilled with unlanded bytes, share the area.)
         self._copy_engine_dispatch = (settings.buffer.dispatch_copy_engine and self._outputs is not None
-                                      and self._staging_bytes > 0 and info.num_ranks > 1)
+                                      and self._staging_bytes > 0 and info.num_ranks > 1 and not self._push_combine)
+        self._push_combine = self._push_combine and self._staging_bytes > 0
         if low_latency_mode:
             self._ll = self._start_low_latency(num_rdma_bytes)
         self._num_device_sms = torch.cuda.get_device_properties(info.device).multi_processor_count
@@ -529,7 +536,8 @@ class NativeBackend(Backend):
             self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
             self.last_combine_path = "copy_engine"
             return combined_x, combined_weights
-        self.last_combine_path = "sm"
+        push = self._push_combine
+        self.last_combine_path = "push" if push else "sm"
         self._intranode().combine(
             num_channels=config.num_channels, recv_tokens_per_channel=config.num_max_nvl_chunked_recv_tokens,
             send_chunk=config.num_max_nvl_chunked_send_tokens, num_tokens=T, hidden=x.size(1), num_topk=0 if topk_weights is None else topk_weights.size(1),
@@ -537,7 +545,7 @@ class NativeBackend(Backend):
             recv_rank_offsets=_address(handle.recv_rank_offsets), src_num_tokens=_address(handle.src_num_tokens),
             send_pos=_address(handle.send_pos), bias_0=_address(bias_0), bias_1=_address(bias_1),
             combined_x=_address(combined_x), combined_topk_weights=_address(combined_weights),
-            stream=self._stream())
+            stream=self._stream(), push_staging_bytes=self._staging_bytes if push else 0)
         return combined_x, combined_weights
 
     def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
@@ -547,7 +555,8 @@ class NativeBackend(Backend):
         not `num_worst_tokens`), a staging area that holds two pieces of rows, and no graph capture:
         the host numbers each combine, and a replayed graph would repeat the numbers.
         """
-        return (self._staging_bytes > 0 and handle.num_recv_per_rank is not None and self.info.num_ranks > 1
+        return (self._staging_bytes > 0 and not self._push_combine and handle.num_recv_per_rank is not None
+                and self.info.num_ranks > 1
                 and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
                 and not torch.cuda.is_current_stream_capturing())
 
