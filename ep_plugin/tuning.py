@@ -97,7 +97,7 @@ def staging_bytes(buffer, num_ranks: int) -> int:
 # staging area holds, per other rank, a region of PUSH_REGION_SLACK + tokens * (row + PUSH_TOKEN_EXTRA_BYTES)
 # bytes rounded up to 128: a ready word per PUSH_CHUNK_TOKENS tokens, MAX_TOPK weights and a row per token.
 # `combine_staging_tokens: auto` gives it AUTO_STAGING_TOKENS owner tokens.
-PUSH_CHUNK_TOKENS = 16
+PUSH_CHUNK_TOKENS = 8
 PUSH_REGION_SLACK = 256
 PUSH_TOKEN_EXTRA_BYTES = 4 * MAX_TOPK + 8
 PUSH_MIN_RANKS = 3

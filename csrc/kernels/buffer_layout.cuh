@@ -228,7 +228,7 @@ __host__ __device__ inline int64_t nvl_buffer_size_hint(int64_t payload_bytes, i
 //   [ top-k weights: capacity x kMaxTopk floats (a call packs num_topk per token) ]
 //   [ rows: capacity x row_bytes (owner token t's row at t * row_bytes) ]
 // so that every copy of owner token t from peer s has a fixed place, known without any count.
-constexpr int kPushChunkTokens = 16;      // owner tokens per ready word (and per sender unit)
+constexpr int kPushChunkTokens = 8;       // owner tokens per ready word (and per sender unit)
 constexpr int64_t kPushRegionSlack = 256;  // a region's bytes beyond its per-token bytes (padding)
 constexpr int64_t kPushTokenBytesExtra = kMaxTopk * 4 + 8;  // per token besides its row: weights, ready word share
 
