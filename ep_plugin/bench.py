@@ -40,6 +40,7 @@ from .buffer import Buffer
 from .cli import UsageError
 from .config import EpConfig, load_config
 from .testing import raw_bytes
+from .tuning import Config
 from .launch import RANKS_PER_GPU_ENV, parallel_launch, rank_device, rank_slots
 
 GPU_DEFAULTS = {"normal": dict(num_tokens=4096, hidden=7168, num_topk=8, num_experts=256),
@@ -440,7 +441,7 @@ def _our_buffer(group, s: BenchSettings, num_ranks: int) -> Tuple[Buffer, str]:
     Buffer.set_num_sms(s.num_sms)
     cfg = _make_config(s, s.backend)
     if "explicit_config" in s.style:
-        configs = explicit_configs(type(Buffer.get_dispatch_config(num_ranks)), s, num_ranks) + (
+        configs = explicit_configs(Config, s, num_ranks) + (
             Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
         num_nvl_bytes = max(c.get_nvl_buffer_size_hint(s.hidden * 2, num_ranks) for c in configs)
         buffer = Buffer(group, num_nvl_bytes, 0, explicitly_destroy=True, config=cfg)
@@ -598,8 +599,7 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
                    + (" and the reference backend" if (s.check or "reference" in s.baselines) else ""))
     buffer, backend_reason = _our_buffer(group, s, R)
     reference = _reference_buffer(group, s) if (s.check or "reference" in s.baselines) else None
-    our_configs = explicit_configs(type(Buffer.get_dispatch_config(R)), s, R) if "explicit_config" in s.style \
-        else (None, None)
+    our_configs = explicit_configs(Config, s, R) if "explicit_config" in s.style else (None, None)
     ours = NormalCalls(buffer, inputs, s.num_experts, our_configs)
     result = dict(rank=rank, backend=buffer.backend_name, backend_reason=backend_reason, num_sms=s.num_sms)
     with torch_defaults(s.style, device):
@@ -637,7 +637,8 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
 def _peer_normal(rank: int, R: int, group, s: BenchSettings, device: torch.device, inputs: Inputs,
                  expert_out: torch.Tensor, want: Optional[dict], timer: Timer, progress: Progress) -> dict:
     """DeepEP V1 on the same data in the same process group, checked against the reference's outputs."""
-    progress.stage(f"baseline: DeepEP V1 ({s.num_sms} SMs, its tuned configs)")
+    configs = "explicit Configs" if "explicit_config" in s.style else "its tuned Configs"
+    progress.stage(f"baseline: DeepEP V1 ({s.num_sms} SMs, {configs})")
     deep_ep = _import_peer()
     peer = _peer_normal_buffer(deep_ep, group, s, R)
     configs = explicit_configs(deep_ep.Config, s, R) if "explicit_config" in s.style else (None, None)
@@ -701,7 +702,8 @@ def _sorted_rows(rows):
     distinct rows come out in the same order."""
     data = rows[0] if isinstance(rows, tuple) else rows
     raw = raw_bytes(data).reshape(data.size(0), -1).double()
-    projection = torch.rand(raw.size(1), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    projection = torch.rand(raw.size(1), generator=torch.Generator().manual_seed(7), dtype=torch.float64,
+                            device="cpu")
     order = (raw @ projection.to(raw.device)).argsort()
     return tuple(r[order] for r in rows) if isinstance(rows, tuple) else rows[order]
 

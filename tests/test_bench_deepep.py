@@ -83,11 +83,11 @@ def test_deepep_style_takes_every_condition_of_the_mode():
 
 def test_explicit_configs_carry_deepeps_chunks_at_the_run_sm_count():
     settings = bench.BenchSettings(num_sms=8)
-    dispatch, combine = bench.explicit_configs(bench.Buffer.get_dispatch_config(2).__class__, settings, 2)
+    dispatch, combine = bench.explicit_configs(bench.Config, settings, 2)
     assert (dispatch.num_sms, dispatch.num_max_nvl_chunked_send_tokens, dispatch.num_max_nvl_chunked_recv_tokens) \
         == (8, 24, 256)
     assert (combine.num_sms, combine.num_max_nvl_chunked_send_tokens) == (8, 10)
-    dispatch, combine = bench.explicit_configs(bench.Buffer.get_dispatch_config(2).__class__, settings, 3)
+    dispatch, combine = bench.explicit_configs(bench.Config, settings, 3)
     assert dispatch.num_max_nvl_chunked_send_tokens == 6  # 3 ranks: the 4-rank chunks
 
 
@@ -103,3 +103,12 @@ def test_a_failed_deepep_check_is_reported_not_hidden(capsys):
     table = bench.format_table(run)
     assert "verified against the reference backend: FAILED (AssertionError: recv_x: values differ)" in table
     assert "dispatch" in table.splitlines()[-1] and table.splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+def test_low_latency_deepep_style_pairs_run_checked_beside_deepep(tmp_path, deep_ep_is_ep_plugin):
+    report = run(tmp_path, "--mode", "low_latency", "--style", "deepep", "--baseline", "deepep")
+    (result,) = report["runs"]
+    assert result["checked"] and result["deepep"]["checked"]
+    assert list(result["style"]) == ["back_to_back", "default_device", "default_dtype"]
+    assert "processes of its own" in result["deepep"]["processes"]
+    assert result["ops"]["dispatch+combine"]["deepep"]["median_us"] > 0
