@@ -63,7 +63,6 @@ STYLE_CONDITIONS = {
     "default_device": (("normal", "low_latency"), "torch.set_default_device(the rank's device)"),
     "default_dtype": (("normal", "low_latency"), "torch.set_default_dtype(torch.bfloat16)"),
 }
-BASELINES = ("auto", "deepep", "reference", "none")
 PEER_MODULE = "deep_ep"
 
 
@@ -166,8 +165,8 @@ def validate(s: BenchSettings, num_ranks: int, on_gpu: bool) -> None:
     if "col_scales" in s.style and s.dtype != "fp8":
         raise UsageError("--style col_scales: needs --dtype fp8 (BF16 payloads carry no scales)")
     if s.backend == "native" and not on_gpu:
-        raise UsageError("--backend native (or backend: native in the config): no GPU here (torch.cuda.is_available() is False); use --backend "
-                         "reference or auto")
+        raise UsageError("--backend native (or backend: native in the config): no GPU here "
+                         "(torch.cuda.is_available() is False); use --backend reference or auto")
     extension = "_C" if s.mode == "normal" else "_C_nvshmem"
     state = built_extensions()[extension]
     if s.backend == "native" and state.startswith("not built"):
@@ -460,6 +459,10 @@ def _backend_reason(buffer: Buffer, cfg: EpConfig) -> str:
     return "auto: native unavailable: " + native_support(buffer._info, buffer.low_latency_mode, buffer.num_nvl_bytes)
 
 
+def _needs_reference(s: BenchSettings) -> bool:
+    return s.check or "reference" in s.baselines
+
+
 def _reference_buffer(group, s: BenchSettings) -> Buffer:
     return Buffer.from_config(group, _make_config(s, "reference"), explicitly_destroy=True)
 
@@ -552,26 +555,20 @@ def _time_normal(calls: NormalCalls, timer: Timer, group, s: BenchSettings, fp8_
     out = calls.dispatch()
     rows, handle, recv_weights = _recv_rows(out[0]), out[4], out[2]
     combine_x = rows if fp8_expert_out is None else fp8_expert_out  # BF16: the dispatched rows themselves
-    before_combine = None
-    if "combine_after_dispatch" in s.style:
-        latest = {}
+    latest = {"handle": handle, "weights": recv_weights}  # what the combines take
 
-        def before_combine():
-            latest.clear()  # one dispatch's outputs alive at a time, as in a program's step
-            latest["out"] = calls.dispatch()
+    def dispatch_first():
+        latest.clear()  # one dispatch's outputs alive at a time, as in a program's step
+        fresh = calls.dispatch()
+        latest.update(handle=fresh[4], weights=fresh[2])
 
-        def combine_handle():
-            return latest["out"][4], latest["out"][2]
-    else:
-        def combine_handle():
-            return handle, recv_weights
-
+    before_combine = dispatch_first if "combine_after_dispatch" in s.style else None
     steps = {
         "layout": (calls.layout, None),
         "dispatch": (calls.dispatch, None),
         "dispatch_cached": (lambda: calls.cached(handle), None),
-        "combine": (lambda: calls.combine(combine_x, *combine_handle()), before_combine),
-        "combine_without_weights": (lambda: calls.combine(combine_x, combine_handle()[0], None), before_combine),
+        "combine": (lambda: calls.combine(combine_x, latest["handle"], latest["weights"]), before_combine),
+        "combine_without_weights": (lambda: calls.combine(combine_x, latest["handle"], None), before_combine),
     }
     times = {}
     for name in progress.steps(f"warm-up and timing, {label} ({s.warmup} + {s.iters} calls each)", list(steps)):
@@ -596,9 +593,9 @@ def _time_normal(calls: NormalCalls, timer: Timer, group, s: BenchSettings, fp8_
 def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.device, progress: Progress) -> dict:
     inputs = make_inputs(rank, s, device)
     progress.stage(f"buffers: ep_plugin ({s.backend or 'config'} backend, {s.num_sms} SMs)"
-                   + (" and the reference backend" if (s.check or "reference" in s.baselines) else ""))
+                   + (" and the reference backend" if _needs_reference(s) else ""))
     buffer, backend_reason = _our_buffer(group, s, R)
-    reference = _reference_buffer(group, s) if (s.check or "reference" in s.baselines) else None
+    reference = _reference_buffer(group, s) if _needs_reference(s) else None
     our_configs = explicit_configs(Config, s, R) if "explicit_config" in s.style else (None, None)
     ours = NormalCalls(buffer, inputs, s.num_experts, our_configs)
     result = dict(rank=rank, backend=buffer.backend_name, backend_reason=backend_reason, num_sms=s.num_sms)
@@ -742,10 +739,10 @@ def _time_low_latency(calls: LowLatencyCalls, group, device: torch.device, s: Be
 
 def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.device, progress: Progress) -> dict:
     inputs = make_inputs(rank, s, device)
-    progress.stage(f"buffers: ep_plugin low-latency ({s.backend or 'config'} backend, {s.num_tokens} tokens "
-                   "per rank at most)" + (" and the reference backend" if (s.check or "reference" in s.baselines) else ""))
+    progress.stage(f"buffers: ep_plugin low-latency ({s.backend or 'config'} backend, {s.num_tokens} tokens per "
+                   "rank at most)" + (" and the reference backend" if _needs_reference(s) else ""))
     buffer, backend_reason = _our_buffer(group, s, R)
-    reference = _reference_buffer(group, s) if (s.check or "reference" in s.baselines) else None
+    reference = _reference_buffer(group, s) if _needs_reference(s) else None
     ours = LowLatencyCalls(buffer, inputs, s)
     result = dict(rank=rank, backend=buffer.backend_name, backend_reason=backend_reason, num_sms=s.num_sms,
                   checked=False)

@@ -118,7 +118,8 @@ def _info() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"  torch {torch.__version__}, {gpus} GPU(s)" + (f": {torch.cuda.get_device_name(0)}" if gpus else ""))
     print(f"  DeepEP V1 (deep_ep) for --baseline deepep: {'importable' if peer_importable() else 'not importable'}")
-    print(f"  progress bars: {'tqdm' if importlib.util.find_spec('tqdm') else 'plain lines (pip install tqdm for bars)'}")
+    bars = "tqdm" if importlib.util.find_spec("tqdm") else "plain lines (pip install tqdm for bars)"
+    print(f"  progress bars: {bars}")
     return 0
 
 
