@@ -608,20 +608,20 @@ def _normal_rank(rank: int, R: int, group, s: BenchSettings, device: torch.devic
     # NOTE: outputs are dropped before the timing: a dispatch's outputs may live in the direct
     # dispatch's output region (`buffer.dispatch_output_bytes: auto` holds two dispatches' at once).
     del first
-    want = None
+    # The reference is the oracle, not a program under test: it runs outside the style's torch defaults.
+    want = _normal_outputs(NormalCalls(reference, inputs, s.num_experts), expert_out) if s.check else None
+    fp8_expert_out = expert_out if s.dtype == "fp8" else None
+    timer = Timer(device, s.gpu_lead_us, flush="back_to_back" not in s.style)
     with torch_defaults(s.style, device):
         if s.check:
             progress.stage("verification: ep_plugin against the reference backend on this run's data")
-            want = _normal_outputs(NormalCalls(reference, inputs, s.num_experts), expert_out)
             _compare_normal(_normal_outputs(ours, expert_out), want)
-        fp8_expert_out = expert_out if s.dtype == "fp8" else None
-        timer = Timer(device, s.gpu_lead_us, flush="back_to_back" not in s.style)
         result["ops"] = _time_normal(ours, timer, group, s, fp8_expert_out, progress, "ep_plugin")
-        if "reference" in s.baselines and buffer.backend_name != "reference":
-            progress.stage("baseline: the reference backend")
-            ref_ops = _time_normal(NormalCalls(reference, inputs, s.num_experts), timer, group, s, fp8_expert_out,
-                                   progress, "reference")
-            result["ops"].update({"reference_" + name: op for name, op in ref_ops.items()})
+    if "reference" in s.baselines and buffer.backend_name != "reference":
+        progress.stage("baseline: the reference backend")
+        ref_ops = _time_normal(NormalCalls(reference, inputs, s.num_experts), timer, group, s, fp8_expert_out,
+                               progress, "reference")
+        result["ops"].update({"reference_" + name: op for name, op in ref_ops.items()})
     result["checked"] = s.check
     for buf in (buffer, reference):
         if buf is not None:
@@ -714,6 +714,14 @@ def _token_expert_out(recv_x) -> torch.Tensor:
     return recv_x.clone()
 
 
+def _low_latency_outputs(calls: LowLatencyCalls, expert_out: Optional[torch.Tensor]) -> tuple:
+    """(recv_x, recv_count, combined): a dispatch, then a combine of `expert_out`, or where None of
+    the dispatched rows themselves (`_token_expert_out`)."""
+    recv_x, recv_count, handle, _, _ = calls.dispatch()
+    combine_x = _token_expert_out(recv_x) if expert_out is None else expert_out
+    return recv_x, recv_count, calls.combine(combine_x, handle)[0]
+
+
 def _low_latency_bytes(s: BenchSettings, num_messages: int) -> Dict[str, int]:
     dispatch = num_messages * (s.hidden + 4 * math.ceil(s.hidden / 128) if s.dtype == "fp8" else s.hidden * 2)
     combine = num_messages * s.hidden * 2
@@ -748,24 +756,25 @@ def _low_latency_rank(rank: int, R: int, group, s: BenchSettings, device: torch.
                   checked=False)
     with torch_defaults(s.style, device):
         recv_x, recv_count, handle, _, _ = ours.dispatch()
-        expert_out = torch.randn(_recv_rows(recv_x).shape, generator=inputs.generator,
-                                 device="cpu").to(torch.bfloat16).to(device)
-        combined = ours.combine(expert_out, handle)[0]
-        if s.check:
-            progress.stage("verification: ep_plugin against the reference backend on this run's data")
-            want_calls = LowLatencyCalls(reference, inputs, s)
-            want_x, want_count, want_handle, _, _ = want_calls.dispatch()
-            _compare_low_latency_dispatch((recv_x, recv_count), (want_x, want_count), ordered=True)
-            _assert_close("combined_x", combined, want_calls.combine(expert_out, want_handle)[0])
-            result["checked"] = True
-        num_messages = int(recv_count.sum())
-        del recv_x, handle, combined
+    expert_out = torch.randn(_recv_rows(recv_x).shape, generator=inputs.generator).to(torch.bfloat16).to(device)
+    if s.check:
+        progress.stage("verification: ep_plugin against the reference backend on this run's data")
+        with torch_defaults(s.style, device):
+            combined = ours.combine(expert_out, handle)[0]
+        want = _low_latency_outputs(LowLatencyCalls(reference, inputs, s), expert_out)
+        _compare_low_latency_dispatch((recv_x, recv_count), want[:2], ordered=True)
+        _assert_close("combined_x", combined, want[2])
+        result["checked"] = True
+        del combined, want
+    num_messages = int(recv_count.sum())
+    del recv_x, handle
+    with torch_defaults(s.style, device):
         result["ops"] = _time_low_latency(ours, group, device, s, expert_out, num_messages, progress, "ep_plugin")
-        if "reference" in s.baselines and buffer.backend_name != "reference":
-            progress.stage("baseline: the reference backend")
-            ref_ops = _time_low_latency(LowLatencyCalls(reference, inputs, s), group, device, s, expert_out,
-                                        num_messages, progress, "reference")
-            result["ops"].update({"reference_" + name: op for name, op in ref_ops.items()})
+    if "reference" in s.baselines and buffer.backend_name != "reference":
+        progress.stage("baseline: the reference backend")
+        ref_ops = _time_low_latency(LowLatencyCalls(reference, inputs, s), group, device, s, expert_out,
+                                    num_messages, progress, "reference")
+        result["ops"].update({"reference_" + name: op for name, op in ref_ops.items()})
     for buf in (buffer, reference):
         if buf is not None:
             buf.destroy()
@@ -784,21 +793,22 @@ def _peer_low_latency(rank: int, R: int, group, s: BenchSettings, device: torch.
     with torch_defaults(s.style, device):
         recv_x, recv_count, handle, _, _ = calls.dispatch()
         expert_out = _token_expert_out(recv_x)
-        num_messages = int(recv_count.sum())
-        if s.check:
-            progress.stage("verification: DeepEP V1 against the reference backend on this run's data")
-            reference = _reference_buffer(group, s)
-            want_calls = LowLatencyCalls(reference, inputs, s)
-            want_x, want_count, want_handle, _, _ = want_calls.dispatch()
-            try:
-                _compare_low_latency_dispatch((recv_x, recv_count), (want_x, want_count), ordered=False)
-                _assert_close("combined_x", calls.combine(expert_out, handle)[0],
-                              want_calls.combine(_token_expert_out(want_x), want_handle)[0])
-                report["checked"] = True
-            except AssertionError as error:
-                report["check_error"] = _first_line(error)
-            reference.destroy()
-        del recv_x, handle
+        combined = calls.combine(expert_out, handle)[0]
+    num_messages = int(recv_count.sum())
+    if s.check:
+        progress.stage("verification: DeepEP V1 against the reference backend on this run's data")
+        reference = _reference_buffer(group, s)
+        want = _low_latency_outputs(LowLatencyCalls(reference, inputs, s), None)
+        try:
+            _compare_low_latency_dispatch((recv_x, recv_count), want[:2], ordered=False)
+            _assert_close("combined_x", combined, want[2])
+            report["checked"] = True
+        except AssertionError as error:
+            report["check_error"] = _first_line(error)
+        reference.destroy()
+        del want
+    del recv_x, handle, combined
+    with torch_defaults(s.style, device):
         report["ops"] = _time_low_latency(calls, group, device, s, expert_out, num_messages, progress, "DeepEP V1")
     peer.destroy()
     return report
