@@ -129,16 +129,30 @@ def peer_importable() -> bool:
         return False
 
 
+def _peer_import_error() -> str:
+    """Why DeepEP V1 cannot be imported here ('' where it can)."""
+    if not peer_importable():
+        return "the module deep_ep is not on this Python path"
+    try:
+        _import_peer()
+        return ""
+    except Exception as error:  # noqa: BLE001 - a build for another torch or CUDA fails in many ways
+        return f"importing deep_ep failed: {_first_line(error)}"
+
+
 def resolve_baselines(choice: str) -> Tuple[str, ...]:
     """`--baseline`: auto = the reference, and DeepEP where importable; deepep requires it."""
     if choice == "none":
         return ()
     if choice == "reference":
         return ("reference",)
-    if choice == "deepep" and not peer_importable():
-        raise UsageError("--baseline deepep: the module deep_ep is not importable; build DeepEP V1 "
-                         "(github.com/deepseek-ai/DeepEP) and put it on PYTHONPATH, or use --baseline auto")
-    return ("reference", "deepep") if choice == "deepep" or peer_importable() else ("reference",)
+    why = _peer_import_error()
+    if choice == "deepep" and why:
+        raise UsageError(f"--baseline deepep: {why}; build DeepEP V1 (github.com/deepseek-ai/DeepEP) and put it on "
+                         "PYTHONPATH, or use --baseline auto")
+    if why and peer_importable():  # found but broken: say so rather than drop it silently
+        print(f"ep-plugin bench: no DeepEP baseline: {why}", file=sys.stderr, flush=True)
+    return ("reference",) if why else ("reference", "deepep")
 
 
 def validate(s: BenchSettings, num_ranks: int, on_gpu: bool) -> None:

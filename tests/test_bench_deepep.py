@@ -8,6 +8,7 @@ figures and the ratio beside ours, in the JSON and in the table.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ def deep_ep_is_ep_plugin(tmp_path, monkeypatch):
     (stand_in / "deep_ep.py").write_text("import sys\nimport ep_plugin\nsys.modules[__name__] = ep_plugin\n")
     monkeypatch.syspath_prepend(str(stand_in))
     assert bench.peer_importable()
+    yield
+    sys.modules.pop("deep_ep", None)  # the bench imported it here too; later tests must not find it
 
 
 def run(tmp_path: Path, *args: str) -> dict:
@@ -112,3 +115,16 @@ def test_low_latency_deepep_style_pairs_run_checked_beside_deepep(tmp_path, deep
     assert list(result["style"]) == ["back_to_back", "default_device", "default_dtype"]
     assert "processes of its own" in result["deepep"]["processes"]
     assert result["ops"]["dispatch+combine"]["deepep"]["median_us"] > 0
+
+
+def test_a_deepep_that_fails_to_import_is_named(tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "deep_ep.py").write_text("raise ImportError('deep_ep_cpp: undefined symbol (built for another torch)')\n")
+    monkeypatch.syspath_prepend(str(broken))
+    assert bench.resolve_baselines("auto") == ("reference",)
+    assert "no DeepEP baseline: importing deep_ep failed: ImportError: deep_ep_cpp: undefined symbol" in \
+        capsys.readouterr().err
+    with pytest.raises(cli.UsageError, match="--baseline deepep: importing deep_ep failed"):
+        bench.resolve_baselines("deepep")
+    assert bench.resolve_baselines("none") == () and bench.resolve_baselines("reference") == ("reference",)
