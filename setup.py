@@ -23,6 +23,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +33,16 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
+
+# What this build did, for the summary at its end: extension name -> "built" or why it was skipped.
+# NOTE: pip shows a build's output only with -v (or when it fails); `ep-plugin info` tells an
+# installed package's state at any time.
+BUILD_OUTCOMES: dict[str, str] = {}
+
+
+def note(message: str) -> None:
+    """One progress line on stderr (unbuffered, so it shows while nvcc runs)."""
+    print(f"ep_plugin: {message}", file=sys.stderr, flush=True)
 
 
 def find_cuda_home() -> Path | None:
@@ -140,15 +152,23 @@ class NvccBuildExt(build_ext):
             nvcc_flags += ["-ccbin", os.environ["CUDAHOSTCXX"]]
         nvcc_flags += os.environ.get("EP_PLUGIN_NVCC_FLAGS", "").split()
 
+        jobs = max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+        note(f"building {ext.name}: {len(cu_sources)} CUDA files with nvcc ({jobs} at once, MAX_JOBS), "
+             f"architectures {', '.join(cuda_archs())}")
+        compiled = []
+        started = time.monotonic()
+
         def compile_cu(source: str) -> str:
             obj = build_temp / (Path(source).stem + ".o")
             cmd = [nvcc, *nvcc_flags, "-c", source, "-o", str(obj)]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
+            compiled.append(source)
+            note(f"  [{len(compiled)}/{len(cu_sources)}] {Path(source).name} "
+                 f"({time.monotonic() - started:.0f} s)")
             return str(obj)
 
-        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
             objects = list(pool.map(compile_cu, cu_sources))
 
         extra_link = []
@@ -177,6 +197,8 @@ class NvccBuildExt(build_ext):
             libraries=["cudart_static", "rt", "pthread", "dl"],
             extra_postargs=extra_link,
             target_lang="c++")
+        BUILD_OUTCOMES[ext.name] = "built"
+        note(f"built {ext.name} in {time.monotonic() - started:.0f} s")
 
 
 def integration_packages() -> list[str]:
@@ -187,12 +209,11 @@ def integration_packages() -> list[str]:
 
 def extensions() -> list[Extension]:
     if os.environ.get("EP_PLUGIN_SKIP_CUDA") == "1":
-        print("ep_plugin: EP_PLUGIN_SKIP_CUDA=1, installing the pure-Python package only")
-        return []
+        return skipped(["ep_plugin._C", "ep_plugin._C_nvshmem"], "EP_PLUGIN_SKIP_CUDA=1: the pure-Python package only")
     if find_cuda_home() is None:
-        print("ep_plugin: no CUDA toolkit found (nvcc), installing the pure-Python package only: "
-              "the reference backend works, the native kernels are not built")
-        return []
+        return skipped(["ep_plugin._C", "ep_plugin._C_nvshmem"],
+                       "no CUDA toolkit found (nvcc; set CUDA_HOME): the reference backend works, the native "
+                       "kernels are not built")
     # Low-latency and internode kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
     kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
     sources = [s for s in kernels if not Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
@@ -201,17 +222,28 @@ def extensions() -> list[Extension]:
     return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
 
 
+def skipped(names: list[str], why: str) -> list[Extension]:
+    """Record and say that `names` are not built, and why; returns no extension."""
+    for name in names:
+        BUILD_OUTCOMES[name] = f"skipped: {why}"
+    note(f"not building {', '.join(names)}: {why}")
+    return []
+
+
+def summary() -> str:
+    """One line: what this build built and skipped (shown at its end)."""
+    return "; ".join(f"{name} {outcome}" for name, outcome in BUILD_OUTCOMES.items())
+
+
 def nvshmem_extensions(kernels: list[str]) -> list[Extension]:
     """`ep_plugin._C_nvshmem` (low-latency mode, internode normal mode) where NVSHMEM is found, else nothing."""
     if os.environ.get("EP_PLUGIN_SKIP_NVSHMEM") == "1":
-        print("ep_plugin: EP_PLUGIN_SKIP_NVSHMEM=1, not building ep_plugin._C_nvshmem (native low-latency mode)")
-        return []
+        return skipped(["ep_plugin._C_nvshmem"], "EP_PLUGIN_SKIP_NVSHMEM=1 (native low-latency mode)")
     nvshmem = find_nvshmem()
     if nvshmem is None:
-        print("ep_plugin: NVSHMEM not found (set NVSHMEM_DIR or pip install nvidia-nvshmem-cu13): not building "
-              "ep_plugin._C_nvshmem; low-latency mode uses the reference backend")
-        return []
-    print(f"ep_plugin: building ep_plugin._C_nvshmem against NVSHMEM at {nvshmem[1].parent} ({nvshmem[2].name})")
+        return skipped(["ep_plugin._C_nvshmem"], "NVSHMEM not found (set NVSHMEM_DIR or pip install "
+                       "nvidia-nvshmem-cu13): low-latency mode uses the reference backend")
+    note(f"ep_plugin._C_nvshmem will be built against NVSHMEM at {nvshmem[1].parent} ({nvshmem[2].name})")
     sources = [s for s in kernels if Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
     sources += ["csrc/nvshmem_runtime.cu", "csrc/python_api_nvshmem.cpp"]
     return [NvshmemExtension("ep_plugin._C_nvshmem", sources=sources, nvshmem=nvshmem)]
@@ -237,3 +269,5 @@ setup(
                   "vllm.general_plugins": ["ep_plugin = ep_plugin.integrations.vllm:register"]},
     zip_safe=False,
 )
+if BUILD_OUTCOMES:  # nothing to say where no build ran (metadata steps) and nothing was skipped
+    note(f"summary: {summary()} (after installing, `ep-plugin info` says the same)")

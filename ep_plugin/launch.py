@@ -140,7 +140,8 @@ def _collect(results, processes, timeout_s: float, collected: dict, failures: li
                     # A result written just before exiting may still be in the pipe: one more second.
                     exited_without_result.setdefault(rank, time.monotonic())
                     if time.monotonic() - exited_without_result[rank] > 1.0:
-                        failures.append(f"rank {rank} exited with code {process.exitcode} without a result "
+                        failures.append(f"rank {rank} exited with code {process.exitcode}"
+                                        f"{_exit_cause(process.exitcode)} without a result "
                                         f"(results so far from ranks {sorted(collected)})")
                         return
             if time.monotonic() > deadline:
@@ -152,6 +153,13 @@ def _collect(results, processes, timeout_s: float, collected: dict, failures: li
             failures.append(value)
             return
         collected[rank] = value
+
+
+def _exit_cause(exitcode: int) -> str:
+    """What an exit code says: -9 is SIGKILL, which the system sends when memory runs out."""
+    if exitcode == -9:
+        return " (killed by SIGKILL: most often the system's out-of-memory killer)"
+    return ""
 
 
 def _cuda_is_healthy() -> bool:

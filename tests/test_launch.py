@@ -1,5 +1,6 @@
 """parallel_launch: results by rank, a failing rank's traceback, a rank that dies without a result."""
 import os
+import signal
 import time
 
 import pytest
@@ -70,3 +71,16 @@ def test_ranks_share_gpus_only_where_mps_is_declared(monkeypatch):
     for rank in range(5):
         device = rank_device(rank)
         assert device == (torch.device("cuda", rank % gpus) if gpus else torch.device("cpu"))
+
+
+def rank_that_is_killed(rank: int, world_size: int, group) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+    time.sleep(30)
+    return rank
+
+
+def test_a_rank_killed_by_sigkill_is_named_as_a_likely_out_of_memory():
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with code -9 \(killed by SIGKILL: most often the "
+                                           r"system's out-of-memory killer\) without a result"):
+        parallel_launch(2, rank_that_is_killed, timeout_s=120)
