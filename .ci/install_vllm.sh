@@ -15,7 +15,7 @@ PYTHON=${PYTHON:-python3}
 VLLM_VERSION=0.33.0
 VLLM_PREVIOUS_VERSION=0.32.0
 # tests/test_vllm_integration.py reads the same variable, with the same default.
-VLLM_PREVIOUS_DIR=${EP_PLUGIN_VLLM_PREVIOUS_DIR:-$HOME/.cache/ep_plugin/vllm-0.32}
+VLLM_PREVIOUS_DIR=${EP_PLUGIN_VLLM_PREVIOUS_DIR:-$(cd ~ && pwd)/.cache/ep_plugin/vllm-0.32}
 
 # The modules tests/test_vllm_integration.py imports, on vLLM's CPU platform.
 check_imports() {

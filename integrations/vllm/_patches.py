@@ -161,7 +161,7 @@ def check_surface() -> None:
     """Raise `VllmVersionError` listing every patched object that is not as expected."""
     try:
         problems = surface_problems()
-    except (ImportError, AttributeError, TypeError, ValueError) as error:
+    except (ImportError, AttributeError, TypeError, ValueError, OSError) as error:
         problems = [f"{type(error).__name__}: {error}"]
     if problems:
         raise VllmVersionError(f"ep_plugin supports vLLM {RELEASES.describe()} with the objects its patches expect; "
@@ -326,9 +326,9 @@ def _backend_name_works() -> bool:
 
     try:
         ParallelConfig(all2all_backend=BACKEND_NAME)
-    except ValueError:
+        return BACKEND_NAME in arg_utils._compute_kwargs(ParallelConfig)["all2all_backend"]["choices"]
+    except Exception:  # noqa: BLE001 - any failure means the name does not work; the caller undoes it
         return False
-    return BACKEND_NAME in arg_utils._compute_kwargs(ParallelConfig)["all2all_backend"]["choices"]
 
 
 def _accept_backend_name() -> None:
