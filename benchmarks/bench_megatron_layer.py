@@ -1,4 +1,9 @@
-"""Megatron-Core MoE layer with the `ep_plugin`, `alltoall` and `allgather` token dispatchers (2 GPUs).
+"""Megatron-Core MoE layer with the `ep_plugin`, `flex` (DeepEP), `alltoall` and `allgather` token dispatchers.
+
+`flex` is Megatron's `--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep` on DeepEP V1
+(`deep_ep` must be importable; it needs no TransformerEngine without --permute-fusion), with DeepEP
+given the SM count of ep_plugin's config (`num_sms`), so both dispatchers run on as many SMs.
+By default the run measures ep_plugin, flex (where `deep_ep` imports) and alltoall.
 
 For each dispatcher, on the same weights, inputs and routing:
 
@@ -22,10 +27,11 @@ slowest rank's median. Also reported: the "algorithmic" bandwidth of the dispatc
 GB/s = 4 * T * top-k * H * 2 bytes / time (every (token, expert) row once in each of dispatch,
 combine and their two backward passes), the same formula for every dispatcher.
 
-    python3 benchmarks/bench_megatron_layer.py --out benchmarks/results/megatron_layer_h200x2.json
+    python3 benchmarks/bench_megatron_layer.py --expert-impl grouped --out benchmarks/results/megatron-layer-h100x2.json
 
 Defaults: hidden 4096, 64 experts, top-6, FFN hidden 1408, 8192 tokens per rank, bf16, EP 2.
-Targets (issue 6): ep_plugin's dispatcher time <= 0.5 x alltoall's; layer step >= 1.15x faster.
+Targets: ep_plugin's dispatcher time <= 0.5 x flex+DeepEP's and layer step >= 1.3x faster; against
+alltoall: <= 0.5 x and >= 1.15x.
 Importable without a GPU (the work runs in spawned ranks).
 """
 from __future__ import annotations
@@ -46,7 +52,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-DISPATCHERS = ("ep_plugin", "alltoall", "allgather")
+DISPATCHERS = ("ep_plugin", "flex", "alltoall", "allgather")
+# Target per baseline: (largest dispatcher-time ratio ours / theirs, smallest layer-step speed-up).
+TARGETS = {"flex": (0.5, 1.3), "alltoall": (0.5, 1.15)}
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -58,7 +66,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--ffn", type=int, default=1408, help="expert FFN hidden size")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--ranks", type=int, default=2, help="GPUs (= EP size)")
-    parser.add_argument("--dispatchers", default=",".join(DISPATCHERS))
+    parser.add_argument("--dispatchers", default=None,
+                        help=f"comma-separated, from {DISPATCHERS} (default: ep_plugin, flex where deep_ep imports, "
+                             "alltoall)")
     parser.add_argument("--expert-impl", choices=("sequential", "grouped", "te"), default="sequential",
                         help="SequentialMLP, TEGroupedMLP on torch's grouped_mm (no TE), or TE's grouped GEMM (needs TE)")
     parser.add_argument("--permute-fusion", action="store_true", help="moe_permute_fusion (needs TE)")
@@ -71,16 +81,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="also profile 2 dispatcher rounds and 2 layer steps per dispatcher (torch.profiler): "
                              "a kernel table per rank and rank 0's Chrome traces go here")
     args = parser.parse_args(argv)
-    args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
+    if args.dispatchers is None:
+        args.dispatchers = ["ep_plugin", *(["flex"] if deep_ep_importable() else []), "alltoall"]
+    else:
+        args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     unknown = sorted(set(args.dispatchers) - set(DISPATCHERS))
     if unknown:
         parser.error(f"unknown dispatchers {unknown}; choose from {DISPATCHERS}")
+    if "flex" in args.dispatchers and not deep_ep_importable():
+        parser.error("--dispatchers flex needs DeepEP V1 (`import deep_ep`); see docs/megatron.md")
     if args.num_experts % args.ranks:
         parser.error(f"--experts {args.num_experts} is not divisible by --ranks {args.ranks}")
     return args
 
 
 # ---- inside the ranks -----------------------------------------------------------------------------------
+def deep_ep_importable() -> bool:
+    """Whether DeepEP V1's `deep_ep` package is on the path (Megatron's flex dispatcher uses it)."""
+    import importlib.util
+    return importlib.util.find_spec("deep_ep") is not None
+
+
 def _setup(args: argparse.Namespace) -> None:
     import megatron_env
     megatron_env.prepare()
@@ -96,19 +117,28 @@ def _setup(args: argparse.Namespace) -> None:
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def _build_layer(args: argparse.Namespace, dispatcher: str):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
+def layer_config_kwargs(args: argparse.Namespace, dispatcher: str) -> Dict:
+    """TransformerConfig arguments of the benchmarked layer; `flex` runs DeepEP on ep_plugin's SM count."""
+    kwargs = dict(
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
         num_attention_heads=32, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
         moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=args.ranks, bf16=True,
         params_dtype=torch.bfloat16, moe_router_dtype="fp32", add_bias_linear=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=args.expert_impl == "te", moe_permute_fusion=args.permute_fusion)
+    if dispatcher == "flex":
+        from ep_plugin.integrations.megatron import resolve_config
+        kwargs.update(moe_flex_dispatcher_backend="deepep", moe_flex_dispatcher_num_sms=resolve_config().num_sms)
+    return kwargs
+
+
+def _build_layer(args: argparse.Namespace, dispatcher: str):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(**layer_config_kwargs(args, dispatcher))
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     spec = get_moe_module_spec(use_te=args.expert_impl == "te", num_experts=args.num_experts,
@@ -248,6 +278,8 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
         stand_ins[name] = _stand_in_step(seen, gen)
         layer_steps[name] = functools.partial(_layer_step, layer, x, grad)
         info[name] = {"stand_in_rows": seen["rows"][0]}
+        if name == "flex":
+            info[name]["num_sms"] = layer.config.moe_flex_dispatcher_num_sms
         buffer = getattr(layer.token_dispatcher, "buffer", None)
         if buffer is not None:
             info[name].update(backend=buffer.backend_name, num_sms=buffer.num_sms,
@@ -281,14 +313,18 @@ def _combine_ranks(per_rank: List[Dict], args: argparse.Namespace) -> Dict:
         entry["dispatcher_algorithmic_gbps"] = 4 * rows * args.hidden * 2 / (entry["dispatcher_ms"] * 1e-3) / 1e9
         table[name] = entry
     targets = {}
-    if "ep_plugin" in table and "alltoall" in table:
-        ours, theirs = table["ep_plugin"], table["alltoall"]
-        targets = {
-            "dispatcher_time_ratio_vs_alltoall": ours["dispatcher_ms"] / theirs["dispatcher_ms"],
-            "dispatcher_target_met (<= 0.5)": ours["dispatcher_ms"] <= 0.5 * theirs["dispatcher_ms"],
-            "layer_speedup_vs_alltoall": theirs["layer_step_ms"] / ours["layer_step_ms"],
-            "layer_target_met (>= 1.15)": theirs["layer_step_ms"] / ours["layer_step_ms"] >= 1.15,
-        }
+    for baseline, (max_ratio, min_speedup) in TARGETS.items():
+        if "ep_plugin" not in table or baseline not in table:
+            continue
+        ours, theirs = table["ep_plugin"], table[baseline]
+        ratio, speedup = ours["dispatcher_ms"] / theirs["dispatcher_ms"], theirs["layer_step_ms"] / ours["layer_step_ms"]
+        suffix = "" if baseline == "alltoall" else f"_vs_{baseline}"
+        targets.update({
+            f"dispatcher_time_ratio_vs_{baseline}": ratio,
+            f"dispatcher_target_met{suffix} (<= {max_ratio})": ratio <= max_ratio,
+            f"layer_speedup_vs_{baseline}": speedup,
+            f"layer_target_met{suffix} (>= {min_speedup})": speedup >= min_speedup,
+        })
     return {"results": table, "targets": targets}
 
 
@@ -298,10 +334,13 @@ def _environment() -> Dict:
         info["device"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
     try:
-        from importlib.metadata import version
-        info["megatron_core"] = version("megatron-core")
+        from ep_plugin.integrations.megatron import megatron_version
+        info["megatron_core"] = megatron_version()  # the imported code's
     except Exception:  # noqa: BLE001 - informational only
         pass
+    if deep_ep_importable():
+        import deep_ep
+        info["deep_ep"] = os.path.dirname(deep_ep.__file__)
     return info
 
 

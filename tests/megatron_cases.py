@@ -434,9 +434,17 @@ def case_registration(ctx: Ctx) -> None:
     assert config.moe_token_dispatcher_type == "ep_plugin"
     expect_error(ValueError, "moe_shared_expert_overlap", lambda: ctx.config(moe_token_dispatcher_type="allgather",
                                                                              **overlap))
-    assert ctx.config(overlap_moe_expert_parallel_comm=True).overlap_moe_expert_parallel_comm
+    # Megatron paths that branch on the dispatcher type and that ep_plugin refuses (docs/megatron.md).
+    expect_error(ValueError, "does not support overlap_moe_expert_parallel_comm=True",
+                 lambda: ctx.config(overlap_moe_expert_parallel_comm=True))
+    assert ctx.config(moe_token_dispatcher_type="alltoall", overlap_moe_expert_parallel_comm=True)
     expect_error(AssertionError, "alltoall/flex", lambda: ctx.config(moe_token_dispatcher_type="allgather",
                                                                      overlap_moe_expert_parallel_comm=True))
+    for modules, covered in ((["moe_router", "moe_preprocess"], "moe_router, moe_preprocess"), ([], "the whole layer")):
+        expect_error(ValueError, f"cannot run inside a CUDA graph (cuda_graph_impl='local' capturing {covered})",
+                     lambda: ctx.config(cuda_graph_impl="local", cuda_graph_modules=modules))
+        assert ctx.config(moe_token_dispatcher_type="alltoall", cuda_graph_impl="local", cuda_graph_modules=modules)
+    assert ctx.config(cuda_graph_impl="local", cuda_graph_modules=["attn"]).cuda_graph_impl == "local"
     expect_error(ValueError, "validated like 'alltoall'", lambda: ctx.config(moe_router_padding_for_quantization=True))
 
     layer = ctx.layer(ctx.config())
@@ -458,15 +466,23 @@ def case_registration(ctx: Ctx) -> None:
         expect_error(MegatronVersionError, "supports megatron-core 0.16.x to 0.19.x", lambda: _compat.check_version(bad))
     for good in ("0.16.0", "0.19.2+f6a5b40"):
         _compat.check_version(good)
-    os.environ[_compat.ALLOW_UNTESTED_ENV] = "1"
+    os.environ[_compat.RELEASES.allow_untested_env] = "1"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _compat.check_version("0.20.0")
         assert any("0.20.0" in str(w.message) for w in caught)
     finally:
-        del os.environ[_compat.ALLOW_UNTESTED_ENV]
+        del os.environ[_compat.RELEASES.allow_untested_env]
     _compat.check_surface()
+    # The version is the imported code's (package_info travels with a source tree), not the wheel's metadata.
+    from megatron.core import package_info
+    installed = package_info.__version__
+    package_info.__version__ = "0.20.0"
+    try:
+        expect_error(MegatronVersionError, "found 0.20.0", _compat.check_version)
+    finally:
+        package_info.__version__ = installed
 
     expect_error(ValueError, "multiple of 8", lambda: ctx.layer(ctx.config(hidden_size=20, moe_ffn_hidden_size=FFN)))
     expect_error(ValueError, "top-k limit", lambda: ctx.layer(ctx.config(num_moe_experts=64,

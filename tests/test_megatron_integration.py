@@ -74,3 +74,34 @@ def test_launcher_registers_before_the_script(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"RESULT ep_plugin {config} 6" in done.stdout, done.stdout[-2000:]
+
+
+def test_benchmark_layer_configs_are_valid():
+    """benchmarks/bench_megatron_layer.py's layers (ep_plugin, flex on DeepEP with ep_plugin's SM count,
+    alltoall, allgather) pass the installed megatron-core's config checks; the GPU machine then only
+    needs `deep_ep` for flex."""
+    code = textwrap.dedent("""
+        import sys, importlib.util
+        sys.path.insert(0, sys.argv[1])
+        import megatron_env
+        megatron_env.prepare()
+        spec = importlib.util.spec_from_file_location("bench", sys.argv[2])
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        import ep_plugin.integrations.megatron as ep_megatron
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        ep_megatron.register(config={"num_sms": 16})
+        args = bench.parse_args(["--dispatchers", ",".join(bench.DISPATCHERS)] if bench.deep_ep_importable()
+                                else ["--dispatchers", "ep_plugin,alltoall,allgather"])
+        for name in bench.DISPATCHERS:
+            config = TransformerConfig(**bench.layer_config_kwargs(args, name))
+            print("CONFIG", name, config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend,
+                  config.moe_flex_dispatcher_num_sms)
+    """)
+    bench_path = os.path.join(TESTS_DIR, "..", "benchmarks", "bench_megatron_layer.py")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code, TESTS_DIR, bench_path],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("CONFIG")]
+    assert lines == [["ep_plugin", "ep_plugin", "deepep", "None"], ["flex", "flex", "deepep", "16"],
+                     ["alltoall", "alltoall", "deepep", "None"], ["allgather", "allgather", "deepep", "None"]], lines

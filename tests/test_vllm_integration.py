@@ -12,8 +12,11 @@ Skipped only where vLLM is not installed (.ci/install_vllm.sh installs it in CI)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +24,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (.ci/install_vllm.sh installs it)", allow_module_level=True)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform, here and in spawned ranks
+
+from typing import List, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -92,19 +97,154 @@ def test_register_is_idempotent(registered):
 
 
 def test_version_check(monkeypatch):
-    from ep_plugin.integrations.vllm import VllmVersionError, _patches, check_version
-    assert check_version("0.33.0") == (0, 33, 0)
-    assert check_version("0.33.4+cu130") == (0, 33, 4)
-    monkeypatch.delenv(_patches.ALLOW_UNTESTED_ENV, raising=False)
-    for unknown in ("0.32.1", "0.34.0rc1", "1.0.0"):
-        with pytest.raises(VllmVersionError, match=unknown.split("rc")[0]):
+    from ep_plugin.integrations.vllm import RELEASES, VllmVersionError, check_version
+    for supported, release in (("0.32.0", (0, 32, 0)), ("0.33.0", (0, 33, 0)), ("0.33.4+cu130", (0, 33, 4))):
+        assert check_version(supported) == release
+    monkeypatch.delenv(RELEASES.allow_untested_env, raising=False)
+    for unknown in ("0.31.2", "0.34.0rc1", "1.0.0"):
+        with pytest.raises(VllmVersionError, match=f"supports vLLM 0.32.x to 0.33.x, found {unknown}"):
             check_version(unknown)
     with pytest.raises(VllmVersionError, match="cannot parse"):
         check_version("main")
-    monkeypatch.setenv(_patches.ALLOW_UNTESTED_ENV, "1")
+    monkeypatch.setenv(RELEASES.allow_untested_env, "1")
     with pytest.warns(RuntimeWarning, match="0.34.0"):
         check_version("0.34.0")
 
+
+def test_surface_checks_read_signatures(registered, monkeypatch):
+    """The patched objects are checked by what they are, not by the release number."""
+    from vllm.config.compilation import CompilationConfig
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    from ep_plugin.integrations.vllm import VllmVersionError
+    assert registered.surface_problems() == []
+    monkeypatch.setattr(all2all_utils, "maybe_make_prepare_finalize", lambda moe, quant_config, manager=None: None)
+    monkeypatch.setattr(CompilationConfig, "set_splitting_ops_for_v1", lambda self, backend: None)
+    problems = registered.surface_problems()
+    assert len(problems) == 2, problems
+    assert any("maybe_make_prepare_finalize takes ('moe', 'quant_config', 'manager')" in p for p in problems), problems
+    assert any("set_splitting_ops_for_v1 takes ('self', 'backend')" in p for p in problems), problems
+    with pytest.raises(VllmVersionError, match="with the objects its patches expect; in vLLM .*maybe_make_prepare"):
+        registered.check_surface()
+
+
+# ---- vLLM's own command line, in a fresh process ----------------------------------------------------------
+# Runs vLLM's entry point (`vllm ARGS`, main()) once per argument list, in one process with this checkout's
+# ep_plugin first on sys.path; optionally reports vLLM's version as another release; `vllm serve` prints the
+# engine config it built instead of serving. Each run's output is framed by markers on stdout and stderr.
+CLI_BOOTSTRAP = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+fake_version, runs = sys.argv[2], json.loads(sys.argv[3])
+if fake_version:
+    import vllm
+    vllm.__version__ = fake_version
+import vllm.entrypoints.cli.serve as serve
+from vllm.entrypoints.cli.main import main
+
+def print_engine_config(args):
+    import vllm
+    args.model = args.model_tag or args.model
+    config = vllm.AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    parallel = config.parallel_config
+    print("ENGINE", parallel.all2all_backend, parallel.enable_expert_parallel, parallel.data_parallel_size,
+          parallel.use_all2all, parallel.use_sequence_parallel_moe)
+
+serve.ServeSubcommand.cmd = staticmethod(print_engine_config)
+for index, argv in enumerate(runs):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"<<<RUN {index}>>>", file=stream, flush=True)
+    sys.argv = ["vllm", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code or 0
+    for stream in (sys.stdout, sys.stderr):
+        print(f"<<<EXIT {index} {code}>>>", file=stream, flush=True)
+"""
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A two-layer Mixtral config: enough for vLLM to build its engine config offline.
+TINY_MOE = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 256,
+            "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+def run_vllm(*runs: List[str], fake_version: str = "") -> List[Tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `vllm ARGS` for each argument list in `runs` (one process)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+    done = subprocess.run([sys.executable, "-c", CLI_BOOTSTRAP, REPO_ROOT, fake_version, json.dumps(runs)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = []
+    for index in range(len(runs)):
+        outputs = [text.split(f"<<<RUN {index}>>>")[1].split(f"<<<EXIT {index} ")[0]
+                   for text in (done.stdout, done.stderr)]
+        code = int(done.stdout.split(f"<<<EXIT {index} ")[1].split(">>>")[0])
+        results.append((code, *outputs))
+    return results
+
+
+def _choices_line(help_text: str) -> str:
+    (line,) = [line for line in help_text.splitlines() if line.strip().startswith("--all2all-backend {")]
+    return line
+
+
+def test_vllm_serve_lists_and_parses_the_backend(tmp_path):
+    model = tmp_path / "tiny-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_MOE))
+    shown, built, typo = run_vllm(
+        ["serve", "--help=all2all-backend"],
+        ["serve", str(model), "--skip-tokenizer-init", "--enable-expert-parallel", "--all2all-backend", "ep_plugin",
+         "--data-parallel-size", "2", "--tensor-parallel-size", "1"],
+        ["serve", "--all2all-backend", "ep_plugin_typo"])
+    assert shown[0] == 0, shown[2][-3000:]
+    assert ",ep_plugin," in _choices_line(shown[1])
+    assert built[0] == 0, built[2][-3000:]
+    assert "ENGINE ep_plugin True 2 True False" in built[1], built[1][-2000:] + built[2][-2000:]
+    assert typo[0] == 2 and "invalid choice: 'ep_plugin_typo'" in typo[2], typo[2][-2000:]
+
+
+def test_unsupported_vllm_keeps_working_and_says_why():
+    """On a vLLM outside the range, every vLLM command works; choosing the backend fails with vLLM's
+    'invalid choice', after one warning that names the release and the supported range."""
+    chosen, version, shown = run_vllm(["serve", "--enable-expert-parallel", "--all2all-backend", "ep_plugin"],
+                                      ["--version"], ["serve", "--help=all2all-backend"], fake_version="0.31.0")
+    assert chosen[0] == 2
+    warning = ("ep_plugin: --all2all-backend ep_plugin is not available: ep_plugin supports vLLM 0.32.x to 0.33.x, "
+               "found 0.31.0")
+    output = chosen[1] + chosen[2]
+    assert output.count(warning) == 1, output[-3000:]
+    assert "invalid choice: 'ep_plugin'" in chosen[2]
+    assert output.index(warning) < output.index("invalid choice")
+    assert version[0] == 0 and version[1].strip(), version[2][-3000:]
+    assert shown[0] == 0, shown[2][-3000:]
+    assert "ep_plugin" not in _choices_line(shown[1])
+    assert warning not in version[1] + version[2] + shown[1] + shown[2]  # one warning per process
+
+
+# ---- the previous vLLM release --------------------------------------------------------------------------------
+PREVIOUS_VLLM_DIR = os.environ.get("EP_PLUGIN_VLLM_PREVIOUS_DIR", os.path.expanduser("~/.cache/ep_plugin/vllm-0.32"))
+IN_PREVIOUS_VLLM = "EP_PLUGIN_TESTING_PREVIOUS_VLLM"
+
+
+@pytest.mark.skipif(os.environ.get(IN_PREVIOUS_VLLM) == "1", reason="this run is the one against the previous vLLM")
+def test_previous_vllm_release():
+    """This file's tests, in a child pytest with vLLM 0.32 (installed by .ci/install_vllm.sh into its own
+    directory) ahead of the installed vLLM on sys.path."""
+    if not os.path.isdir(os.path.join(PREVIOUS_VLLM_DIR, "vllm")):
+        pytest.skip(f"vLLM 0.32 is not installed in {PREVIOUS_VLLM_DIR} (.ci/install_vllm.sh installs it)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PREVIOUS_VLLM_DIR, os.environ.get("PYTHONPATH")])),
+               VLLM_TARGET_DEVICE="cpu", **{IN_PREVIOUS_VLLM: "1"})
+    version = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__, vllm.__file__)"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert version.stdout.startswith("0.32.") and PREVIOUS_VLLM_DIR in version.stdout, version.stdout + version.stderr
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], env=env,
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else ""
+    assert child.returncode == 0 and " failed" not in summary, child.stdout[-6000:] + child.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode,graphs_kept", [("normal", False), ("low_latency", True)])

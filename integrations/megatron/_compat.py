@@ -19,64 +19,45 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import warnings
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
-from .._release import parse_release
+from .._release import Release, SupportedReleases, UnsupportedRelease
 
-# Inclusive range of (major, minor) releases this integration was written against.
-SUPPORTED_MIN = (0, 16)
-SUPPORTED_MAX = (0, 19)
-# Set to 1 to try a release outside that range (the structural checks still run).
-ALLOW_UNTESTED_ENV = "EP_PLUGIN_MEGATRON_ALLOW_UNTESTED"
+
+class MegatronVersionError(UnsupportedRelease):
+    """megatron-core is missing, outside the supported range, or lacks a symbol the patches need."""
+
+
+RELEASES = SupportedReleases("megatron-core", minimum=(0, 16), maximum=(0, 19),
+                             allow_untested_env="EP_PLUGIN_MEGATRON_ALLOW_UNTESTED", error=MegatronVersionError)
+PATCH_SURFACE = "TransformerConfig.__post_init__, MoELayer.__init__, moe_utils.permute"
 
 _DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
                        "token_combine", "combine_postprocess", "set_shared_experts")
 
 
-class MegatronVersionError(RuntimeError):
-    """megatron-core is missing, outside the supported range, or lacks a symbol the patches need."""
-
-
 def megatron_version() -> str:
-    """The installed megatron-core version string (package metadata, else megatron.core.package_info)."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        pass
+    """The version of the imported `megatron.core` (its `package_info`, which travels with the code, so a
+    Megatron-LM source tree ahead on `sys.path` reports its own version, not the installed wheel's)."""
     try:
         from megatron.core import package_info
     except ImportError as error:
-        raise MegatronVersionError(f"megatron-core is not installed (import megatron.core failed: {error}); "
-                                   f"see docs/megatron.md") from None
+        raise MegatronVersionError(f"megatron.core is not importable ({error}); ep_plugin's Megatron integration "
+                                   f"needs megatron-core {RELEASES.describe()} (see docs/megatron.md)") from None
     return str(package_info.__version__)
 
 
-def parse_version(text: str) -> Tuple[int, int, int]:
+def parse_version(text: str) -> Release:
     """'0.19.2+f6a5b40' -> (0, 19, 2); see `parse_release`."""
-    release = parse_release(text)
-    if release is None:
-        raise MegatronVersionError(f"cannot parse the megatron-core version {text!r}")
-    return release
+    return RELEASES.parse(text)
 
 
-def check_version(text: Optional[str] = None) -> Tuple[int, int, int]:
-    """Raise `MegatronVersionError` unless the release (default: the installed one) is in the supported range."""
-    text = megatron_version() if text is None else text
-    parsed = parse_version(text)
-    if not SUPPORTED_MIN <= parsed[:2] <= SUPPORTED_MAX:
-        lo, hi = ".".join(map(str, SUPPORTED_MIN)), ".".join(map(str, SUPPORTED_MAX))
-        message = (f"ep_plugin's Megatron integration supports megatron-core {lo}.x to {hi}.x, found {text}: its "
-                   f"patch surface (TransformerConfig.__post_init__, MoELayer.__init__, moe_utils.permute) has not "
-                   f"been checked against this release.")
-        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-            raise MegatronVersionError(message + f" Set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
-        warnings.warn(message + f" Continuing because {ALLOW_UNTESTED_ENV}=1.", RuntimeWarning, stacklevel=3)
-    return parsed
+def check_version(text: Optional[str] = None) -> Release:
+    """The release of `text` (default: the imported megatron.core); raises `MegatronVersionError` outside
+    `RELEASES` unless EP_PLUGIN_MEGATRON_ALLOW_UNTESTED=1."""
+    return RELEASES.check(megatron_version() if text is None else text, PATCH_SURFACE)
 
 
 def _require(condition: bool, what: str) -> None:

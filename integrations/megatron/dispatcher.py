@@ -199,6 +199,9 @@ class EpPluginTokenDispatcher(MoETokenDispatcher):
         if self.num_experts != num_local * self.ep_size:
             raise ValueError(f"num_moe_experts ({self.num_experts}) != local experts ({num_local}) x EP size "
                              f"({self.ep_size})")
+        if torch.distributed.get_backend(self.tp_ep_group) == "fake":
+            raise ValueError("ep_plugin moves tokens between real ranks: Megatron's --fake-process-group is not "
+                             "supported with moe_token_dispatcher_type='ep_plugin'")
         group_size = mcore_utils.get_pg_size(self.tp_ep_group)
         if group_size != self.tp_size * self.ep_size:
             raise ValueError(f"the expert TP x EP group has {group_size} ranks, expected expert TP ({self.tp_size}) "

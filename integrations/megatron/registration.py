@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from . import _compat, buffers, cli
 from .dispatcher import DISPATCHER_TYPE, EpPluginTokenDispatcher
@@ -33,6 +33,47 @@ def is_registered() -> bool:
     return bool(_originals)
 
 
+# Per-layer CUDA graph regions that leave the dispatch outside the graph (Megatron's CudaGraphModule names).
+GRAPHABLE_WITHOUT_DISPATCH = frozenset({"attn", "mlp", "moe_router", "mamba"})
+
+
+def _graph_modules(config) -> Optional[List[str]]:
+    """Names of the per-layer CUDA graph regions (empty: the whole layer), or None without CUDA graphs."""
+    impl = getattr(config, "cuda_graph_impl", None)
+    if impl is None:  # releases before cuda_graph_impl
+        impl = "local" if getattr(config, "enable_cuda_graph", False) else "none"
+    if impl == "none":
+        return None
+    if impl == "full_iteration":
+        return []
+    modules = getattr(config, "cuda_graph_modules", None)
+    if modules is None:
+        modules = getattr(config, "cuda_graph_scope", None)
+    if modules in (None, "full"):
+        return []
+    if not isinstance(modules, (list, tuple)):
+        modules = [modules]
+    return [getattr(module, "name", str(module)) for module in modules]
+
+
+def refuse_unsupported(config) -> None:
+    """Raise ValueError for the Megatron features that branch on the dispatcher type and that ep_plugin does
+    not serve (docs/megatron.md lists every such branch)."""
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ValueError(f"moe_token_dispatcher_type='{DISPATCHER_TYPE}' does not support "
+                         "overlap_moe_expert_parallel_comm=True (Megatron's 1F1B expert-parallel overlap schedules "
+                         "the dispatcher's steps as separate nodes and frees their inputs by dispatcher type); use "
+                         "moe_shared_expert_overlap, or the alltoall / flex dispatcher for this overlap")
+    modules = _graph_modules(config)
+    if modules is not None and not (modules and set(modules) <= GRAPHABLE_WITHOUT_DISPATCH):
+        covered = ", ".join(modules) if modules else "the whole layer"
+        raise ValueError(f"moe_token_dispatcher_type='{DISPATCHER_TYPE}' cannot run inside a CUDA graph "
+                         f"(cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} capturing {covered}): its "
+                         "dispatch waits on the host for the received-token count. Set cuda_graph_modules to "
+                         f"regions without the dispatch ({', '.join(sorted(GRAPHABLE_WITHOUT_DISPATCH))}) or "
+                         "cuda_graph_impl='none'")
+
+
 def _patched_post_init(original):
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
@@ -40,7 +81,9 @@ def _patched_post_init(original):
             return original(self, *args, **kwargs)
         self.moe_token_dispatcher_type = VALIDATE_AS
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            refuse_unsupported(self)
+            return result
         except Exception as error:
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(f"(moe_token_dispatcher_type='{DISPATCHER_TYPE}' is validated like '{VALIDATE_AS}')")

@@ -7,17 +7,30 @@ request's arguments (layers of equal shape share one) and released by `destroy()
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
-from ep_plugin import Buffer, EpConfig
+from ep_plugin import Buffer, EpConfig, load_config
+from ep_plugin.config import CONFIG_ENV_VAR
 
-logger = logging.getLogger("ep_plugin")
+logger = logging.getLogger("vllm.ep_plugin")
 
 MODES = ("normal", "low_latency")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_serving_config(path: Optional[str]) -> EpConfig:
+    return load_config(path)
+
+
+def serving_config() -> EpConfig:
+    """ep_plugin's config for serving: the YAML named by `$EP_PLUGIN_CONFIG`, else the defaults."""
+    return _load_serving_config(os.environ.get(CONFIG_ENV_VAR) or None)
 
 
 def buffer_settings(settings: EpConfig, mode: str, hidden: int, max_dispatch_tokens_per_rank: Optional[int] = None,
@@ -51,10 +64,7 @@ class EpPluginAll2AllManager(All2AllManagerBase):
     def __init__(self, cpu_group, tcp_store_group=None, device_group: Optional[dist.ProcessGroup] = None,
                  settings: Optional[EpConfig] = None) -> None:
         super().__init__(cpu_group, tcp_store_group)
-        if settings is None:
-            from .prepare_finalize import serving_config
-            settings = serving_config()
-        self.settings = settings
+        self.settings = serving_config() if settings is None else settings
         self.buffer_group = device_group if device_group is not None else cpu_group
         self._buffers: Dict[Tuple, Buffer] = {}
 

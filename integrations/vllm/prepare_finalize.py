@@ -17,9 +17,6 @@ Carried activations: unquantised bf16, and FP8 e4m3 with one float32 scale per 1
 """
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -28,30 +25,17 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
-from ep_plugin import Buffer, EpConfig, fp8, load_config
+from ep_plugin import Buffer, EpConfig, fp8
 from ep_plugin.backends.base import DispatchRoute
-from ep_plugin.config import CONFIG_ENV_VAR
 from ep_plugin.validation import check_dispatch_route
 
 from .manager import EpPluginAll2AllManager
-
-logger = logging.getLogger("ep_plugin")
 
 BF16 = "bf16"
 BLOCK_FP8 = "block_fp8"
 CUDA_GRAPH_HINT = ("ep_plugin's normal mode waits on the host for the received-token count and cannot be "
                    "captured in a CUDA graph: serve with --enforce-eager (or -cc.cudagraph_mode=NONE), or set "
                    "`mode: low_latency` in $EP_PLUGIN_CONFIG")
-
-
-@functools.lru_cache(maxsize=None)
-def _load_serving_config(path: Optional[str]) -> EpConfig:
-    return load_config(path)
-
-
-def serving_config() -> EpConfig:
-    """ep_plugin's config for serving: the YAML named by `$EP_PLUGIN_CONFIG`, else the defaults."""
-    return _load_serving_config(os.environ.get(CONFIG_ENV_VAR) or None)
 
 
 def activation_transport(quant_config: Optional[FusedMoEQuantConfig], defer_input_quant: bool) -> str:
