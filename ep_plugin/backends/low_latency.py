@@ -226,7 +226,7 @@ class LowLatencyMode(NativeBase):
     def get_next_low_latency_combine_buffer(self, handle):
         handle = self._low_latency_handle(handle)
         if handle.combine_buffer is None:
-            address = self._low_latency().combine_bufferaddress_of(
+            address = self._low_latency().combine_buffer_address(
                 parity=handle.parity, num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
                 hidden=handle.hidden, num_experts=handle.num_experts)
             array = _SymmetricArray(address, handle.recv_shape, "<i2")  # bf16 has no typestr: view int16 bits
