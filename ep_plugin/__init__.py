@@ -5,8 +5,10 @@ YAML configuration described in README.md.
 """
 from .buffer import Buffer
 from .config import ConfigError, EpConfig, load_config
+from .errors import EpCommError, EpTimeoutError
 from .event import EventHandle, EventOverlap
 from .tuning import Config
 
-__all__ = ["Buffer", "Config", "ConfigError", "EpConfig", "EventHandle", "EventOverlap", "load_config"]
+__all__ = ["Buffer", "Config", "ConfigError", "EpCommError", "EpConfig", "EpTimeoutError", "EventHandle", "EventOverlap",
+           "load_config"]
 __version__ = "0.1.0"

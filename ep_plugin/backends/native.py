@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
+from ..errors import raises_structured_errors
 from ..tuning import (INTERNODE_MAX_CHANNELS, Config, default_combine_config, default_dispatch_config, output_region_bytes,
                       staging_bytes)
 from ..output_region import OutputRegion
@@ -210,6 +211,7 @@ def _address(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
 
+@raises_structured_errors
 class NativeBackend(Backend):
     name = "native"
 
