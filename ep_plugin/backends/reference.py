@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .. import fp8
 from ..tuning import Config
 from .base import Backend, DispatchOutput, DispatchRoute, LowLatencyDispatchOutput
+from .waits import honours_timeouts
 
 # Devices that each torch.distributed backend can move tensors of (all_to_all_single).
 _BACKEND_DEVICES: Dict[str, Tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu",), "mpi": ("cpu",),
@@ -162,6 +163,7 @@ def _count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ---- the backend -----------------------------------------------------------------------------------
+@honours_timeouts
 class ReferenceBackend(Backend):
     """Dispatch and combine with torch ops and `all_to_all_single`; see the module docstring."""
 
@@ -186,21 +188,22 @@ class ReferenceBackend(Backend):
             return torch.device("cuda", torch.cuda.current_device())
         raise RuntimeError(f"the process group's backend '{backend}' cannot move tensors of {device}")
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+                    step: str = "rows") -> torch.Tensor:
         """Rows of `send` (grouped by destination, `send_counts[r]` for rank r) -> the rows received
         (grouped by source, `recv_counts[r]` from rank r), as bytes on the wire, on `send`'s device."""
         device, dtype, tail = send.device, send.dtype, tuple(send.shape[1:])
         comm_device = self._comm_device(device)
         send_bytes = _as_byte_rows(send).to(comm_device)
         recv_bytes = torch.empty((sum(recv_counts), send_bytes.size(1)), dtype=torch.uint8, device=comm_device)
-        dist.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, group=self.info.group)
+        self.waits.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, step)
         return recv_bytes.to(device).view(dtype).reshape(recv_bytes.size(0), *tail)
 
     def _exchange_meta(self, per_destination: List[List[int]], device: torch.device) -> List[List[int]]:
         """Send `per_destination[r]` (ints, same length for every r) to rank r; returns what each rank sent here."""
         send = torch.tensor(per_destination, dtype=torch.int64, device=device)
         ones = [1] * self.info.num_ranks
-        return self._all_to_all(send, ones, ones).tolist()
+        return self._all_to_all(send, ones, ones, "counts").tolist()
 
     # ---- normal mode ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
