@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import masking
 from . import validation as V
 from .backends import select_backend
 from .backends.base import Backend, DispatchRoute, GroupInfo
@@ -48,7 +49,7 @@ class Buffer:
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  config: Union[None, str, dict, EpConfig] = None) -> None:
         """Create the buffers (a collective: every rank of `group` must call it).
 
@@ -63,6 +64,8 @@ class Buffer:
             allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink where peers share it.
             allow_mnnvl: allow multi-node NVLink.
             explicitly_destroy: resources are released only by `destroy()`, not by the destructor.
+            enable_shrink: low-latency calls may mask ranks (`low_latency_update_mask_buffer`; a peer
+                that misses `timeout_s` is masked instead of failing the call): ep_plugin/masking.py.
             config: ep_plugin's YAML config (an `EpConfig`, a path or a mapping); by default
                 `$EP_PLUGIN_CONFIG` or the built-in defaults. It supplies what DeepEP's arguments do
                 not: backend, transport, SMs, timeouts, tuning and environment.
@@ -102,6 +105,7 @@ class Buffer:
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
+        self._rank_mask = masking.attach(self._backend, enable_shrink)
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup, cfg: Union[None, str, dict, EpConfig] = None,
@@ -611,3 +615,22 @@ class Buffer:
         self._require_low_latency()
         self._check_handle(handle)
         return self._live_backend().get_next_low_latency_combine_buffer(handle)
+
+    # ---- rank masking (shrink mode, ep_plugin/masking.py) ----------------------------------------
+    def _mask(self) -> masking.RankMask:
+        if self._rank_mask is None:
+            raise RuntimeError("rank masking needs a Buffer created with enable_shrink=True")
+        return self._rank_mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank for this rank's later low-latency calls: no tokens go to or
+        come from it, and its experts' outputs count as zero in the combine."""
+        self._mask().update(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write each rank's mask flag into `mask_status` (int32 `[num_ranks]`, 1 = masked)."""
+        self._mask().query(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._mask().clean()

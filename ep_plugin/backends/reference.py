@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import fp8
+from .. import fp8, masking
 from ..tuning import Config
 from .base import Backend, DispatchOutput, DispatchRoute, LowLatencyDispatchOutput
 from .waits import honours_timeouts
@@ -168,6 +168,7 @@ class ReferenceBackend(Backend):
     """Dispatch and combine with torch ops and `all_to_all_single`; see the module docstring."""
 
     name = "reference"
+    rank_mask: Optional[masking.RankMask] = None  # set by a Buffer with enable_shrink (ep_plugin/masking.py)
 
     # ---- transport ------------------------------------------------------------------------------
     def _comm_device(self, device: torch.device) -> torch.device:
@@ -189,21 +190,29 @@ class ReferenceBackend(Backend):
         raise RuntimeError(f"the process group's backend '{backend}' cannot move tensors of {device}")
 
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
-                    step: str = "rows") -> torch.Tensor:
+                    step: str = "rows", masked: bool = False) -> torch.Tensor:
         """Rows of `send` (grouped by destination, `send_counts[r]` for rank r) -> the rows received
-        (grouped by source, `recv_counts[r]` from rank r), as bytes on the wire, on `send`'s device."""
+        (grouped by source, `recv_counts[r]` from rank r), as bytes on the wire, on `send`'s device.
+        `masked` (low-latency calls): with a RankMask, masked ranks' rows are not moved (zeros)."""
         device, dtype, tail = send.device, send.dtype, tuple(send.shape[1:])
         comm_device = self._comm_device(device)
         send_bytes = _as_byte_rows(send).to(comm_device)
-        recv_bytes = torch.empty((sum(recv_counts), send_bytes.size(1)), dtype=torch.uint8, device=comm_device)
-        self.waits.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, step)
+        exchange = masking.exchange_for(self) if masked else None
+        if exchange is not None:
+            recv_bytes = exchange.all_to_all(send_bytes, send_counts, recv_counts)
+        else:
+            recv_bytes = torch.empty((sum(recv_counts), send_bytes.size(1)), dtype=torch.uint8, device=comm_device)
+            self.waits.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, step)
         return recv_bytes.to(device).view(dtype).reshape(recv_bytes.size(0), *tail)
 
-    def _exchange_meta(self, per_destination: List[List[int]], device: torch.device) -> List[List[int]]:
-        """Send `per_destination[r]` (ints, same length for every r) to rank r; returns what each rank sent here."""
+    def _exchange_meta(self, per_destination: List[List[int]], device: torch.device,
+                       masked_row: Optional[List[int]] = None) -> List[List[int]]:
+        """Send `per_destination[r]` (ints, same length for every r) to rank r; returns what each rank sent here.
+        `masked_row` (low-latency calls): with a RankMask, what a masked rank counts as having sent."""
         send = torch.tensor(per_destination, dtype=torch.int64, device=device)
         ones = [1] * self.info.num_ranks
-        return self._all_to_all(send, ones, ones, "counts").tolist()
+        meta = self._all_to_all(send, ones, ones, "counts", masked=masked_row is not None).tolist()
+        return masking.with_masked_rows(self, meta, masked_row)
 
     # ---- normal mode ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
@@ -376,7 +385,8 @@ class ReferenceBackend(Backend):
         num_slots = num_ranks * num_max_dispatch_tokens_per_rank
 
         # One message per routed (token, k), ordered by (destination rank, token, k).
-        token, k = ((topk_idx >= 0) & (topk_idx < num_experts)).nonzero(as_tuple=True)
+        routed = (topk_idx >= 0) & (topk_idx < num_experts) & ~masking.masked_entries(self, topk_idx, num_experts)
+        token, k = routed.nonzero(as_tuple=True)
         expert = topk_idx[token, k]
         dest = expert // num_local_experts
         order = torch.argsort(dest * (num_tokens * top_k) + token * top_k + k)
@@ -394,7 +404,7 @@ class ReferenceBackend(Backend):
 
         flags = int(use_fp8) | int(round_scale) << 1 | int(use_ue8m0) << 2
         params = [layout.row_bytes, num_max_dispatch_tokens_per_rank, num_experts, flags]
-        meta = self._exchange_meta([[count] + params for count in send_counts], device)
+        meta = self._exchange_meta([[count] + params for count in send_counts], device, masked_row=[0] + params)
         if any(row[1:] != params for row in meta):
             by_rank = {src: dict(zip(("row_bytes", "T_max", "num_experts", "fp8_flags"), row[1:]))
                        for src, row in enumerate(meta)}
@@ -402,7 +412,9 @@ class ReferenceBackend(Backend):
                              f"num_max_dispatch_tokens_per_rank, num_experts or FP8 options: {by_rank}")
         recv_counts = [row[0] for row in meta]
 
-        received = layout.unpack(self._all_to_all(layout.pack(fields), send_counts, recv_counts))
+        received = self._all_to_all(layout.pack(fields), send_counts, recv_counts, masked=True)
+        received, recv_counts = masking.without_lost_sources(self, received, recv_counts)
+        received = layout.unpack(received)
         recv_expert = received[-1].reshape(-1)
         num_recv = recv_expert.size(0)
 
@@ -449,7 +461,7 @@ class ReferenceBackend(Backend):
         handle = self._low_latency_handle(handle)
         # With zero_copy, x is the tensor of get_next_low_latency_combine_buffer: reading it is the same.
         rows = x[handle.recv_expert, handle.recv_slot]
-        returned = self._all_to_all(rows, handle.recv_counts, handle.send_counts)  # in send order
+        returned = self._all_to_all(rows, handle.recv_counts, handle.send_counts, masked=True)  # in send order
         # Checked after the exchange, so that no other rank is left waiting in it.
         if topk_idx.shape != handle.topk_idx.shape:
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's "
@@ -464,7 +476,7 @@ class ReferenceBackend(Backend):
         hidden = x.size(2)
         per_entry = torch.zeros((num_tokens, top_k, hidden), dtype=torch.float32, device=x.device)
         per_entry[handle.send_token, handle.send_k] = returned.float()
-        use = topk_idx >= 0
+        use = (topk_idx >= 0) & ~masking.masked_entries(self, topk_idx, handle.num_experts)
         combined = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
         for slot in range(top_k):  # fixed order: k = 0, 1, ...
             weighted = topk_weights[:, slot:slot + 1] * per_entry[:, slot]
