@@ -202,17 +202,17 @@ _BACKEND_OPERATIONS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "co
                        "low_latency_combine", "clean_low_latency_buffer")
 
 
-def _runtimes_of(backend: object) -> list:
+def runtimes_of(backend: object) -> list:
     """The native runtimes a backend holds: its attributes that answer `check_device_error`."""
     return [value for value in vars(backend).values() if hasattr(value, "check_device_error")]
 
 
 def _translating(method, operation: str):
     def call(self, *args, **kwargs):
-        with native_errors(_runtimes_of(self), operation):
+        with native_errors(runtimes_of(self), operation):
             result = method(self, *args, **kwargs)
         if operation.startswith("low_latency_") and isinstance(result, tuple) and callable(result[-1]):
-            result = (*result[:-1], _translating_hook(result[-1], _runtimes_of(self), operation))
+            result = (*result[:-1], _translating_hook(result[-1], runtimes_of(self), operation))
         return result
 
     call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
