@@ -383,6 +383,15 @@ def child_main(args) -> None:
     print("FAULT_RANKS " + json.dumps(ranks))
 
 
+def merged(path: Path, records: List[dict]) -> List[dict]:
+    """The file's records with this run's replacing those of the same (name, mode, backend): runs split
+    by mode, case or backend fill one file."""
+    key = lambda r: (r["name"], r["mode"], r["backend"])  # noqa: E731
+    fresh = {key(r) for r in records}
+    kept = json.loads(path.read_text())["faults"] if path.exists() else []
+    return [r for r in kept if key(r) not in fresh] + records
+
+
 def machine_name(args) -> str:
     if args.machine:
         return args.machine
@@ -430,7 +439,7 @@ def main(argv=None) -> List[dict]:
     print_table(records)
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"faults-{machine_name(args)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"faults": records}, indent=1) + "\n")
+    out.write_text(json.dumps({"faults": merged(out, records)}, indent=1) + "\n")
     print(f"wrote {out}")
     return records
 
