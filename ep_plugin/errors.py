@@ -208,10 +208,19 @@ def runtimes_of(backend: object) -> list:
 
 
 def _translating(method, operation: str):
+    # NOTE: a plain try (no context manager, runtimes looked up only on failure): this wraps every
+    # native call, whose host overhead is a few microseconds.
+    hook_results = operation.startswith("low_latency_")
+
     def call(self, *args, **kwargs):
-        with native_errors(runtimes_of(self), operation):
+        try:
             result = method(self, *args, **kwargs)
-        if operation.startswith("low_latency_") and isinstance(result, tuple) and callable(result[-1]):
+        except Exception as error:
+            translated = structured_error(error, runtimes_of(self), operation)
+            if translated is error:
+                raise
+            raise translated from error
+        if hook_results and isinstance(result, tuple) and callable(result[-1]):
             result = (*result[:-1], _translating_hook(result[-1], runtimes_of(self), operation))
         return result
 
