@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._device import DeviceContext
 
+from . import masking
 from . import validation as V
 from .backends import select_backend
 from .backends.base import Backend, DispatchRoute, GroupInfo
@@ -91,7 +92,8 @@ class Buffer:
             use_fabric: DeepEP's fabric-API memory; ep_plugin maps its buffers by CUDA IPC and NVSHMEM,
                 so only False is accepted (docs/deepep-compat.md).
             explicitly_destroy: resources are released only by `destroy()`, not by the destructor.
-            enable_shrink: allow masking ranks in low-latency mode (`low_latency_update_mask_buffer`).
+            enable_shrink: low-latency calls may mask ranks (`low_latency_update_mask_buffer`; a peer
+                that misses `timeout_s` is masked instead of failing the call): ep_plugin/masking.py.
             comm: DeepEP's mpi4py communicator for a process without `group`; ep_plugin needs a
                 torch.distributed group, so only None is accepted.
             config: ep_plugin's YAML config (an `EpConfig`, a path or a mapping); by default
@@ -144,6 +146,7 @@ class Buffer:
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
+        self._rank_mask = masking.attach(self._backend, enable_shrink)
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup, cfg: Union[None, str, dict, EpConfig] = None,
@@ -755,32 +758,32 @@ class Buffer:
         return combined_x, event, hook
 
     # ---- rank masking (DeepEP's shrink mode) ------------------------------------------------------
-    def _require_shrink(self) -> None:
-        if not self.enable_shrink:
+    def _mask(self) -> masking.RankMask:
+        """The rank mask (ep_plugin/masking.py); a Buffer without enable_shrink has none, as in DeepEP."""
+        if self._rank_mask is None:
             raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")
         self._require_low_latency()
+        return self._rank_mask
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (`mask=True`) or unmask `rank_to_mask`: later low-latency calls of this rank neither send
         to nor receive from it; its experts' outputs count as zero in the combine."""
-        self._require_shrink()
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
-        self._live_backend().update_mask_buffer(rank_to_mask, bool(mask))
+        self._mask().update(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write each rank's mask status into `mask_status` (`[R]` int32: 1 masked, 0 not)."""
-        self._require_shrink()
         V.check_tensor("mask_status", mask_status, (torch.int32,), 1, self._device(), (self.group_size,))
-        self._live_backend().query_mask_buffer(mask_status)
+        self._mask().query(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank."""
-        self._require_shrink()
-        self._live_backend().clean_mask_buffer()
+        self._mask().clean()
 
     @_without_device_mode
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
         self._require_low_latency()
-        return self._live_backend().get_next_low_latency_combine_buffer(self._check_handle(handle))
+        self._check_handle(handle)
+        return self._live_backend().get_next_low_latency_combine_buffer(handle)

@@ -139,24 +139,6 @@ class Backend(abc.ABC):
                                  num_experts: int) -> None:
         """Reset the state low-latency kernels rely on (after normal-mode use of the same buffer)."""
 
-    # ---- rank masking (DeepEP's shrink mode, low-latency) -------------------------------------------
-    def update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
-        """Mask (True) or unmask `rank_to_mask`: later low-latency calls neither send to nor receive from it."""
-        raise NotImplementedError(self._no_masking())
-
-    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write 1 (masked) or 0 per rank into `mask_status` ([R] int32)."""
-        raise NotImplementedError(self._no_masking())
-
-    def clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        raise NotImplementedError(self._no_masking())
-
-    def _no_masking(self) -> str:
-        return (f"rank masking (enable_shrink=True, low_latency_*_mask_buffer) is not implemented by the {self.name} "
-                "backend yet: it belongs to the fault-tolerance work (masking a peer that stops answering on the "
-                "device); use backend: reference for its semantics")
-
     def destroy(self, collective: bool = True) -> None:
         """Release device resources; the backend is unusable afterwards.
 

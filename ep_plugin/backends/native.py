@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import raises_structured_errors
 from ..output_region import OutputRegion
 from .base import GroupInfo
 from .intranode import NativeHandle
@@ -50,6 +51,7 @@ def unsupported_reason(info: GroupInfo, low_latency_mode: bool, num_nvl_bytes: i
     return ""
 
 
+@raises_structured_errors
 class NativeBackend(InternodeMode, LowLatencyMode):
     name = "native"
 

@@ -23,9 +23,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import fp8
+from .. import fp8, masking
 from ..tuning import Config
 from .base import Backend, DispatchOutput, DispatchRoute, LowLatencyDispatchOutput
+from .waits import honours_timeouts
 
 # Devices that each torch.distributed backend can move tensors of (all_to_all_single).
 _BACKEND_DEVICES: Dict[str, Tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu",), "mpi": ("cpu",),
@@ -166,10 +167,12 @@ def _count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ---- the backend -----------------------------------------------------------------------------------
+@honours_timeouts
 class ReferenceBackend(Backend):
     """Dispatch and combine with torch ops and `all_to_all_single`; see the module docstring."""
 
     name = "reference"
+    rank_mask: Optional[masking.RankMask] = None  # set by a Buffer with enable_shrink (ep_plugin/masking.py)
 
     # ---- transport ------------------------------------------------------------------------------
     def _comm_device(self, device: torch.device) -> torch.device:
@@ -190,21 +193,30 @@ class ReferenceBackend(Backend):
             return torch.device("cuda", torch.cuda.current_device())
         raise RuntimeError(f"the process group's backend '{backend}' cannot move tensors of {device}")
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+                    step: str = "rows", masked: bool = False) -> torch.Tensor:
         """Rows of `send` (grouped by destination, `send_counts[r]` for rank r) -> the rows received
-        (grouped by source, `recv_counts[r]` from rank r), as bytes on the wire, on `send`'s device."""
+        (grouped by source, `recv_counts[r]` from rank r), as bytes on the wire, on `send`'s device.
+        `masked` (low-latency calls): with a RankMask, masked ranks' rows are not moved (zeros)."""
         device, dtype, tail = send.device, send.dtype, tuple(send.shape[1:])
         comm_device = self._comm_device(device)
         send_bytes = _as_byte_rows(send).to(comm_device)
-        recv_bytes = torch.empty((sum(recv_counts), send_bytes.size(1)), dtype=torch.uint8, device=comm_device)
-        dist.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, group=self.info.group)
+        exchange = masking.exchange_for(self) if masked else None
+        if exchange is not None:
+            recv_bytes = exchange.all_to_all(send_bytes, send_counts, recv_counts)
+        else:
+            recv_bytes = torch.empty((sum(recv_counts), send_bytes.size(1)), dtype=torch.uint8, device=comm_device)
+            self.waits.all_to_all_single(recv_bytes, send_bytes, recv_counts, send_counts, step)
         return recv_bytes.to(device).view(dtype).reshape(recv_bytes.size(0), *tail)
 
-    def _exchange_meta(self, per_destination: List[List[int]], device: torch.device) -> List[List[int]]:
-        """Send `per_destination[r]` (ints, same length for every r) to rank r; returns what each rank sent here."""
+    def _exchange_meta(self, per_destination: List[List[int]], device: torch.device,
+                       masked_row: Optional[List[int]] = None) -> List[List[int]]:
+        """Send `per_destination[r]` (ints, same length for every r) to rank r; returns what each rank sent here.
+        `masked_row` (low-latency calls): with a RankMask, what a masked rank counts as having sent."""
         send = torch.tensor(per_destination, dtype=torch.int64, device=device)
         ones = [1] * self.info.num_ranks
-        return self._all_to_all(send, ones, ones).tolist()
+        meta = self._all_to_all(send, ones, ones, "counts", masked=masked_row is not None).tolist()
+        return masking.with_masked_rows(self, meta, masked_row)
 
     # ---- normal mode ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
@@ -385,10 +397,8 @@ class ReferenceBackend(Backend):
         num_local_experts = num_experts // num_ranks
         num_slots = num_ranks * num_max_dispatch_tokens_per_rank
 
-        # One message per routed (token, k), ordered by (destination rank, token, k); none to masked ranks.
-        routed = (topk_idx >= 0) & (topk_idx < num_experts)
-        if self._masked_ranks:
-            routed &= ~self._rank_mask(device)[torch.where(routed, topk_idx, 0) // num_local_experts]
+        # One message per routed (token, k), ordered by (destination rank, token, k).
+        routed = (topk_idx >= 0) & (topk_idx < num_experts) & ~masking.masked_entries(self, topk_idx, num_experts)
         token, k = routed.nonzero(as_tuple=True)
         expert = topk_idx[token, k]
         dest = expert // num_local_experts
@@ -407,7 +417,7 @@ class ReferenceBackend(Backend):
 
         flags = int(use_fp8) | int(round_scale) << 1 | int(use_ue8m0) << 2
         params = [layout.row_bytes, num_max_dispatch_tokens_per_rank, num_experts, flags]
-        meta = self._exchange_meta([[count] + params for count in send_counts], device)
+        meta = self._exchange_meta([[count] + params for count in send_counts], device, masked_row=[0] + params)
         if any(row[1:] != params for row in meta):
             by_rank = {src: dict(zip(("row_bytes", "T_max", "num_experts", "fp8_flags"), row[1:]))
                        for src, row in enumerate(meta)}
@@ -415,14 +425,9 @@ class ReferenceBackend(Backend):
                              f"num_max_dispatch_tokens_per_rank, num_experts or FP8 options: {by_rank}")
         recv_counts = [row[0] for row in meta]
 
-        received = layout.unpack(self._all_to_all(layout.pack(fields), send_counts, recv_counts))
-        recv_src = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device=device),
-                                           torch.tensor(recv_counts, dtype=torch.int64, device=device))
-        recv_kept = None
-        if self._masked_ranks:  # messages from masked ranks are dropped
-            recv_kept = (~self._rank_mask(device)[recv_src]).nonzero().reshape(-1)
-            received = [part[recv_kept] for part in received]
-            recv_src = recv_src[recv_kept]
+        received = self._all_to_all(layout.pack(fields), send_counts, recv_counts, masked=True)
+        received, recv_counts = masking.without_lost_sources(self, received, recv_counts)
+        received = layout.unpack(received)
         recv_expert = received[-1].reshape(-1)
         num_recv = recv_expert.size(0)
 
@@ -483,11 +488,7 @@ class ReferenceBackend(Backend):
         if zero_copy:  # the caller wrote the expert outputs into the combine buffer; x's data is not read
             x = self.get_next_low_latency_combine_buffer(handle)
         rows = x[handle.recv_expert, handle.recv_slot]
-        if handle.recv_kept is not None:  # messages from masked ranks go back as zeros
-            kept = rows
-            rows = torch.zeros((sum(handle.recv_counts), kept.size(1)), dtype=kept.dtype, device=kept.device)
-            rows[handle.recv_kept] = kept
-        returned = self._all_to_all(rows, handle.recv_counts, handle.send_counts)  # in send order
+        returned = self._all_to_all(rows, handle.recv_counts, handle.send_counts, masked=True)  # in send order
         # Checked after the exchange, so that no other rank is left waiting in it.
         if topk_idx.shape != handle.topk_idx.shape:
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's "
@@ -502,7 +503,7 @@ class ReferenceBackend(Backend):
         hidden = x.size(2)
         per_entry = torch.zeros((num_tokens, top_k, hidden), dtype=torch.float32, device=x.device)
         per_entry[handle.send_token, handle.send_k] = returned.float()
-        use = topk_idx >= 0
+        use = (topk_idx >= 0) & ~masking.masked_entries(self, topk_idx, handle.num_experts)
         combined = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
         for slot in range(top_k):  # fixed order: k = 0, 1, ...
             weighted = topk_weights[:, slot:slot + 1] * per_entry[:, slot]
@@ -523,27 +524,6 @@ class ReferenceBackend(Backend):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Nothing to reset: the reference keeps no state between calls (but the rank mask)."""
-
-    # ---- rank masking (low-latency shrink mode) ---------------------------------------------------
-    # A masked rank is neither sent to nor received from: its experts' outputs count as zero in the
-    # combine, and its tokens are dropped. The mask is this rank's own (as DeepEP's mask buffer is).
-    _masked_ranks: frozenset = frozenset()
-
-    def _rank_mask(self, device: torch.device) -> torch.Tensor:
-        mask = torch.zeros(self.info.num_ranks, dtype=torch.bool, device=device)
-        mask[list(self._masked_ranks)] = True
-        return mask
-
-    def update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
-        ranks = set(self._masked_ranks)
-        (ranks.add if mask else ranks.discard)(rank_to_mask)
-        self._masked_ranks = frozenset(ranks)
-
-    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        mask_status.copy_(self._rank_mask(mask_status.device).to(torch.int32))
-
-    def clean_mask_buffer(self) -> None:
-        self._masked_ranks = frozenset()
 
     def _low_latency_handle(self, handle: object) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle):

@@ -1,0 +1,206 @@
+"""Rank masking for low-latency mode (DeepEP V1's shrink mode): decode keeps serving with a rank gone.
+
+A `Buffer(..., low_latency_mode=True, enable_shrink=True)` holds a `RankMask`: one flag per rank
+of the group, local to this rank (as DeepEP's mask buffer: ranks do not agree on it by themselves).
+While rank m is masked here, this rank's low-latency calls skip it:
+- `low_latency_dispatch` sends no token to m's experts and receives none from m (m's tokens are
+  dropped): the slots of this rank's experts hold the unmasked ranks' tokens only, in the usual
+  order (source rank, then token, then top-k position), and `recv_count` counts only them.
+- `low_latency_combine` counts the outputs of m's experts as zero: entry (t, k) with
+  `topk_idx[t, k]` on m adds nothing to token t (as if it were -1).
+- A peer that does not answer a low-latency call within `timeout_s` is masked (instead of an
+  error), and the call completes without it; so is a peer whose connection is lost.
+`low_latency_update_mask_buffer(r, mask)` sets or clears a flag, `low_latency_clean_mask_buffer()`
+clears all, `low_latency_query_mask_buffer(status)` writes them into an int32 `[num_ranks]` tensor
+(1 = masked). Normal mode ignores the mask.
+
+The reference backend moves a masked Buffer's low-latency rows point to point (`MaskedExchange`)
+among the unmasked ranks, each receive with a deadline. Every unmasked pair must make the same
+sequence of masked exchanges since the last clean (messages are matched by that count).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class RankMask:
+    """Which ranks this rank's low-latency calls skip (`[num_ranks]` flags, all clear at first)."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.masked: List[bool] = [False] * num_ranks
+        self.epoch = 0  # masked exchanges since the last clean: the tag that pairs their messages
+
+    def update(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask `rank_to_mask` for this rank's later low-latency calls."""
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or \
+                not 0 <= rank_to_mask < self.num_ranks:
+            raise ValueError(f"rank_to_mask must be a rank in [0, {self.num_ranks}), got {rank_to_mask!r}")
+        if rank_to_mask == self.rank and mask:
+            raise ValueError(f"rank_to_mask = {rank_to_mask} is this rank; a rank cannot mask itself")
+        self.masked[rank_to_mask] = bool(mask)
+
+    def query(self, mask_status: torch.Tensor) -> None:
+        """Write the flags into `mask_status`: int32 `[num_ranks]`, 1 where a rank is masked."""
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 or \
+                tuple(mask_status.shape) != (self.num_ranks,):
+            got = (f"{mask_status.dtype} {tuple(mask_status.shape)}" if isinstance(mask_status, torch.Tensor)
+                   else type(mask_status).__name__)
+            raise ValueError(f"mask_status must be an int32 tensor of shape ({self.num_ranks},), got {got}")
+        mask_status.copy_(torch.tensor(self.masked, dtype=torch.int32))
+
+    def clean(self) -> None:
+        """Unmask every rank and restart the exchange count."""
+        self.masked = [False] * self.num_ranks
+        self.epoch = 0
+
+    def any(self) -> bool:
+        return any(self.masked)
+
+    def expert_is_masked(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """bool like `topk_idx`: the entry's expert lives on a masked rank (-1 and out-of-range ids: False)."""
+        owner_masked = torch.tensor(self.masked, dtype=torch.bool, device=topk_idx.device)
+        num_local_experts = num_experts // self.num_ranks
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        owner = torch.where(valid, topk_idx // num_local_experts, 0)
+        return valid & owner_masked[owner]
+
+
+class MaskedExchange:
+    """Point-to-point all-to-all among the unmasked ranks, each receive waited for until `timeout_s`;
+    a peer that misses the deadline or whose connection fails is masked and its rows read as zeros."""
+
+    def __init__(self, mask: RankMask, group, timeout_s: float) -> None:
+        self.mask = mask
+        self.group = group
+        self.timeout_s = timeout_s
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(mask.num_ranks)]
+        self._abandoned_sends: List[torch.Tensor] = []  # rows of sends to peers masked meanwhile
+
+    def all_to_all(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """send: [sum(send_counts), B] uint8 rows grouped by destination; returns [sum(recv_counts), B]
+        grouped by source. Rows to and from masked ranks are not moved (received ones stay zero)."""
+        mask, rank = self.mask, self.mask.rank
+        mask.epoch += 1
+        tag = mask.epoch
+        send_first = _starts(send_counts)
+        recv_first = _starts(recv_counts)
+        recv = torch.zeros((sum(recv_counts), send.size(1)), dtype=send.dtype, device=send.device)
+        recv[recv_first[rank]:recv_first[rank] + recv_counts[rank]] = \
+            send[send_first[rank]:send_first[rank] + send_counts[rank]]
+        sends, receives = [], []
+        for peer in range(mask.num_ranks):
+            if peer == rank or mask.masked[peer]:
+                continue
+            if send_counts[peer] > 0:
+                rows = send[send_first[peer]:send_first[peer] + send_counts[peer]].contiguous()
+                sends.append((peer, _Watch(dist.isend(rows, self.global_ranks[peer], group=self.group, tag=tag)),
+                              rows))
+            if recv_counts[peer] > 0:
+                rows = torch.empty((recv_counts[peer], send.size(1)), dtype=send.dtype, device=send.device)
+                receives.append((peer, _Watch(dist.irecv(rows, self.global_ranks[peer], group=self.group, tag=tag)),
+                                 rows))
+        deadline = time.monotonic() + self.timeout_s
+        for peer, watch, rows in receives:
+            if watch.succeeded_by(deadline):
+                recv[recv_first[peer]:recv_first[peer] + recv_counts[peer]] = rows
+            else:
+                mask.masked[peer] = True
+        # NOTE: sends too, before returning: a process that ends after this call must not cut them off.
+        for peer, watch, rows in sends:
+            if not watch.succeeded_by(deadline):
+                mask.masked[peer] = True
+                self._abandoned_sends.append(rows)  # its tensor must outlive the transfer
+        return recv
+
+class _Watch:
+    """Waits for one send or receive in a thread of its own, from the moment it is posted.
+
+    NOTE: neither polling nor `wait(timeout=)` will do on gloo: its point-to-point works report
+    completion only from `wait`, and a wait that times out closes every connection of the process
+    group, not just the peer's. A thread left waiting for a masked peer ends when that transfer does
+    or the process does.
+    """
+
+    def __init__(self, work) -> None:
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+        threading.Thread(target=self._wait, args=(work,), name="ep_plugin-masked-wait", daemon=True).start()
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - a lost connection masks the peer
+            self.error = error
+        self.done.set()
+
+    def succeeded_by(self, deadline: float) -> bool:
+        """True if the transfer completes by `deadline` (time.monotonic()), False if not or if it failed."""
+        return self.done.wait(max(deadline - time.monotonic(), 0.0)) and self.error is None
+
+
+def _starts(counts: Sequence[int]) -> List[int]:
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def exchange_for(backend) -> Optional[MaskedExchange]:
+    """The masked exchange of a backend whose Buffer has a RankMask, else None."""
+    mask = getattr(backend, "rank_mask", None)
+    if mask is None:
+        return None
+    exchange = getattr(backend, "_masked_exchange", None)
+    if exchange is None:
+        exchange = backend._masked_exchange = MaskedExchange(mask, backend.info.group, backend.settings.timeout_s)
+    return exchange
+
+
+def masked_entries(backend, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """bool like `topk_idx`: entries whose expert is on a rank the backend's mask holds (all False without one)."""
+    mask = getattr(backend, "rank_mask", None)
+    if mask is None or not mask.any():
+        return torch.zeros_like(topk_idx, dtype=torch.bool)
+    return mask.expert_is_masked(topk_idx, num_experts)
+
+
+def with_masked_rows(backend, meta: List[List[int]], masked_row: Optional[List[int]]) -> List[List[int]]:
+    """`meta` (one row per source rank) with each masked source's row replaced by `masked_row`."""
+    mask = getattr(backend, "rank_mask", None)
+    if mask is None or masked_row is None:
+        return meta
+    return [list(masked_row) if mask.masked[src] else row for src, row in enumerate(meta)]
+
+
+def without_lost_sources(backend, received: torch.Tensor, recv_counts: List[int]):
+    """(rows, counts) of a masked exchange without the rows of sources masked while it ran (their rows
+    never came: zeros that must not be read as messages)."""
+    mask = getattr(backend, "rank_mask", None)
+    if mask is None or not any(mask.masked[src] and count > 0 for src, count in enumerate(recv_counts)):
+        return received, recv_counts
+    keep = torch.cat([torch.full((count,), not mask.masked[src], dtype=torch.bool, device=received.device)
+                      for src, count in enumerate(recv_counts)])
+    return received[keep], [0 if mask.masked[src] else count for src, count in enumerate(recv_counts)]
+
+
+def attach(backend, enable_shrink: bool) -> Optional[RankMask]:
+    """A Buffer's RankMask (None without `enable_shrink`), handed to its backend.
+
+    Raises NotImplementedError for a backend without masking: the native low-latency kernels do not
+    mask yet (select `backend: reference` for shrink mode until they do).
+    """
+    if not enable_shrink:
+        return None
+    if not hasattr(type(backend), "rank_mask"):
+        raise NotImplementedError(f"enable_shrink=True: the {backend.name} backend cannot mask ranks yet; "
+                                  "use backend: reference for shrink mode")
+    backend.rank_mask = RankMask(backend.info.rank, backend.info.num_ranks)
+    return backend.rank_mask
