@@ -785,5 +785,4 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
         self._require_low_latency()
-        self._check_handle(handle)
-        return self._live_backend().get_next_low_latency_combine_buffer(handle)
+        return self._live_backend().get_next_low_latency_combine_buffer(self._check_handle(handle))

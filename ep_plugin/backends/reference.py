@@ -84,7 +84,6 @@ class LowLatencyHandle:
     recv_slot: torch.Tensor          # [N] int64: its slot in that expert's rows
     recv_src_token: torch.Tensor     # [E_local, R * T_max] int32: source token index of each slot (-1: empty)
     recv_layout: torch.Tensor        # [E_local, R] int64: first slot << 32 | count, per source rank
-    recv_kept: Optional[torch.Tensor]  # [N] int64: which received messages were kept (None: all; masking)
     combine_buffer: Optional[torch.Tensor] = field(default=None)
     dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
@@ -428,6 +427,8 @@ class ReferenceBackend(Backend):
         received = self._all_to_all(layout.pack(fields), send_counts, recv_counts, masked=True)
         received, recv_counts = masking.without_lost_sources(self, received, recv_counts)
         received = layout.unpack(received)
+        recv_src = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device=device),
+                                           torch.tensor(recv_counts, dtype=torch.int64, device=device))
         recv_expert = received[-1].reshape(-1)
         num_recv = recv_expert.size(0)
 
@@ -469,7 +470,7 @@ class ReferenceBackend(Backend):
                                   num_experts=num_experts, topk_idx=topk_idx.clone(), send_token=token,
                                   send_k=k, send_counts=send_counts, recv_counts=recv_counts,
                                   recv_expert=recv_expert, recv_slot=recv_slot, recv_src_token=recv_src_token,
-                                  recv_layout=recv_layout, recv_kept=recv_kept)
+                                  recv_layout=recv_layout)
         return recv_x, recv_count, handle, (_receive_complete if return_recv_hook else None)
 
     def _slot_ranges(self, recv_expert: torch.Tensor, recv_src: torch.Tensor, num_local_experts: int) -> torch.Tensor:
