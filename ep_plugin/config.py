@@ -122,7 +122,7 @@ class EpConfig:
     transport: str = AUTO
     num_sms: int = 24
     timeout_s: float = 100.0
-    check_inputs: bool = True
+    check_inputs: bool = False
     log_level: str = "info"
     buffer: BufferSection = field(default_factory=BufferSection)
     dispatch: DispatchSection = field(default_factory=DispatchSection)

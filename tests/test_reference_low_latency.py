@@ -178,9 +178,10 @@ class Ctx:
         self.rank, self.num_ranks, self.group, self.seed = rank, num_ranks, group, seed
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.buffer = ep_plugin.Buffer(group, 0, 0, low_latency_mode=True, config={"backend": "reference"})
-        self.other = ep_plugin.Buffer(group, 0, 0, low_latency_mode=True, config={"backend": "reference"})
-        self.normal = ep_plugin.Buffer(group, config={"backend": "reference"})
+        checked = {"backend": "reference", "check_inputs": True}  # bad_inputs expects the host check
+        self.buffer = ep_plugin.Buffer(group, 0, 0, low_latency_mode=True, config=checked)
+        self.other = ep_plugin.Buffer(group, 0, 0, low_latency_mode=True, config=checked)
+        self.normal = ep_plugin.Buffer(group, config=checked)
 
     def rngs(self, case_id: int):
         seed = self.seed * 1000 + case_id

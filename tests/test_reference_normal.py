@@ -92,10 +92,10 @@ class Ctx:
         self.rank, self.num_ranks, self.group, self.seed = rank, num_ranks, group, seed
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.buffer = ep_plugin.Buffer(group, config={"backend": "reference"})
-        self.other = ep_plugin.Buffer(group, config={"backend": "reference"})
+        self.buffer = ep_plugin.Buffer(group, config={"backend": "reference", "check_inputs": True})
+        self.other = ep_plugin.Buffer(group, config={"backend": "reference", "check_inputs": True})
         self.ranks_per_node = max(1, num_ranks // 2)
-        self.multinode = ep_plugin.Buffer(group, config={"backend": "reference",
+        self.multinode = ep_plugin.Buffer(group, config={"backend": "reference", "check_inputs": True,
                                                          "topology": {"ranks_per_node": self.ranks_per_node}})
 
     def rngs(self, case_id: int):
