@@ -152,10 +152,13 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
     times = {"get_dispatch_layout": _eager_times(lambda: normal.get_dispatch_layout(topk_idx, args.experts),
                                                  args.iters),
              "ll_dispatch+combine": _eager_times(ll_pair, args.iters)}
+    # Where an ep_plugin pair's host time goes (rank 0, plain torch defaults).
+    profile = _profile({"ll_pair": ll_pair}, args.iters, args.top) if (
+        library == "ep_plugin" and not global_defaults and rank == 0) else ""
     _synchronize()
     ll.destroy()
     normal.destroy()
-    return times
+    return {"times": times, "profile": profile}
 
 
 def eager_main(args: argparse.Namespace, ranks: int) -> None:
@@ -163,12 +166,15 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
     print(f"eager per-call us, rank 0 (median host / wall per call over {args.iters}; {args.tokens} tokens x "
           f"{args.hidden}, top-{args.topk} of {args.experts} experts, {ranks} ranks, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
+    profiles = []
     for library in libraries:
         for global_defaults in (False, True):
-            times = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
+            result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
             label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
             print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
-                                             for name, t in times.items()))
+                                             for name, t in result["times"].items()))
+            profiles.append(result["profile"])
+    print("".join(profiles))
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ API: every public method of DeepEP's Buffer exists with the same name, kind (sta
 positional order and defaults; the list comes from DeepEP's buffer.py (parsed with `ast`) where the
 peer sources are present, else from the list checked in here (and the list must match the peer's).
 
-Semantics, on 2 ranks (reference backend over gloo on CPU; native backend on 2 GPUs, skipped without
+Semantics, on 2 ranks (reference backend over gloo, on the GPUs where there are some; native backend on 2 GPUs, skipped without
 them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU, set_default_device("cuda")):
 handle contents against values computed from every rank's inputs, dispatch without top-k then
 cached dispatch and combine with its handle, num_worst_tokens, previous_event / async_finish /
@@ -241,7 +241,8 @@ def expected_combine(inputs, rank: int) -> torch.Tensor:
 class Ctx:
     def __init__(self, rank: int, R: int, group, backend: str, seed: int) -> None:
         self.rank, self.R, self.group, self.backend, self.seed = rank, R, group, backend, seed
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "native" else torch.device("cpu")
+        # A Buffer works on the current GPU wherever there is one, the reference backend included.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.case = 0
         hint = max(Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R),
                    Buffer.get_combine_config(R).get_nvl_buffer_size_hint(H * 2, R))
@@ -498,7 +499,7 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 def compat_rank(rank: int, R: int, group, backend: str, seed: int) -> dict:
     torch.set_default_dtype(torch.bfloat16)
-    torch.set_default_device("cuda" if backend == "native" else "cpu")  # the default-device mode is active
+    torch.set_default_device("cuda" if torch.cuda.is_available() else "cpu")  # the default-device mode is active
     ctx = Ctx(rank, R, group, backend, seed)
     results = run_each({name: (lambda fn=fn: fn(ctx)) for name, fn in CASES.items()}, CASES)
     if torch.cuda.is_available():

@@ -228,7 +228,8 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   EP_CHECK_ARG(args.num_experts / args.num_ranks <= kMaxLocalExperts,
                "at most " << kMaxLocalExperts << " experts per rank, got " << args.num_experts / args.num_ranks);
   EP_CHECK_ARG(args.expert_alignment >= 1, "expert_alignment must be >= 1");
-  EP_CHECK_ARG(args.num_topk >= 1 && args.num_topk <= kMaxTopk, "top-k must be in [1, " << kMaxTopk << "]");
+  // Top-k 0: a dispatch routed by is_token_in_rank alone (DeepEP allows it); no id is read.
+  EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be in [0, " << kMaxTopk << "]");
   notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
