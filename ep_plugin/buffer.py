@@ -146,7 +146,11 @@ class Buffer:
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
-        self._rank_mask = masking.attach(self._backend, enable_shrink)
+        try:
+            self._rank_mask = masking.attach(self._backend, enable_shrink)
+        except NotImplementedError:
+            self._release(collective=True)  # every rank raises here alike
+            raise
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup, cfg: Union[None, str, dict, EpConfig] = None,

@@ -47,11 +47,18 @@ def local_experts(num_experts: int, num_ranks: int) -> int:
     return num_local_experts
 
 
+# torch's current CUDA stream as a raw handle (the same call Triton's launchers make); CUDA builds only.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class NativeBase(Backend):
     """State and helpers of NativeBackend that every mode uses (native.py sets the state up)."""
 
     def _stream(self) -> int:
-        # NOTE: by device index: with no argument torch looks the current device up (a few us per call).
+        # NOTE: by device index (with no argument torch looks the current device up), and the raw handle
+        # where torch has it: a Stream object costs a few us per call, felt in eager low-latency calls.
+        if _current_raw_stream is not None:
+            return _current_raw_stream(self.info.device.index)
         return torch.cuda.current_stream(self.info.device.index).cuda_stream
 
     def _check_sms(self, config: Config) -> None:
