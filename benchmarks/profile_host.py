@@ -152,9 +152,10 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
     times = {"get_dispatch_layout": _eager_times(lambda: normal.get_dispatch_layout(topk_idx, args.experts),
                                                  args.iters),
              "ll_dispatch+combine": _eager_times(ll_pair, args.iters)}
-    # Where an ep_plugin pair's host time goes (rank 0, plain torch defaults).
-    profile = _profile({"ll_pair": ll_pair}, args.iters, args.top) if (
-        library == "ep_plugin" and not global_defaults and rank == 0) else ""
+    # Where an ep_plugin pair's host time goes (plain torch defaults; every rank makes the calls, rank 0 reports).
+    profile = ""
+    if library == "ep_plugin" and not global_defaults:
+        profile = _profile({"ll_pair": ll_pair}, args.iters, args.top)
     _synchronize()
     ll.destroy()
     normal.destroy()
@@ -173,7 +174,7 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
             label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
             print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
                                              for name, t in result["times"].items()))
-            profiles.append(result["profile"])
+            profiles.append(result["profile"])  # rank 0's
     print("".join(profiles))
 
 
