@@ -99,7 +99,11 @@ class LowLatencyMode(NativeBase):
 
     def _check_low_latency_shapes(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
                                   num_topk: int) -> None:
-        """What Buffer does not check but these kernels need; raised before anything runs."""
+        """What Buffer does not check but these kernels need; raised before anything runs (once per shapes:
+        a decode loop repeats them)."""
+        shapes = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk)
+        if shapes in self._ll_shapes_checked:
+            return
         if num_max_dispatch_tokens_per_rank > _C_nvshmem.MAX_TOKENS:
             raise ValueError(f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} exceeds the "
                              f"native low-latency limit of {_C_nvshmem.MAX_TOKENS}")
@@ -114,6 +118,7 @@ class LowLatencyMode(NativeBase):
             raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
+        self._ll_shapes_checked.add(shapes)
 
     def _next_parity(self) -> int:
         """The round of this dispatch: rounds alternate, so two dispatch/combine rounds can be in flight.
@@ -136,7 +141,7 @@ class LowLatencyMode(NativeBase):
         num_local = num_experts // R
         num_slots = R * num_max_dispatch_tokens_per_rank
         if use_fp8:
-            data = self._empty(num_local, num_slots, H, dtype=torch.uint8).view(fp8.FP8_DTYPE)
+            data = self._empty(num_local, num_slots, H, dtype=fp8.FP8_DTYPE)
             # Column-major in the last two dimensions: allocate [E_local, S, slots], view transposed.
             width = fp8.num_ue8m0_words(H) if use_ue8m0 else fp8.num_blocks(H)
             scales = self._empty(num_local, width, num_slots, dtype=torch.int32 if use_ue8m0 else torch.float32)
