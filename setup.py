@@ -217,8 +217,7 @@ def extensions() -> list[Extension]:
     # Low-latency and internode kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
     kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
     sources = [s for s in kernels if not Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
-    sources += ["csrc/runtime.cu", "csrc/staged_combine.cu", "csrc/push_combine.cu", "csrc/output_region.cpp",
-                "csrc/python_api.cpp"]
+    sources += ["csrc/runtime.cu", "csrc/staged_combine.cu", "csrc/output_region.cpp", "csrc/python_api.cpp"]
     return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
 
 

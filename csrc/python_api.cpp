@@ -255,16 +255,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_ranks"), py::arg("staging_bytes"), py::arg("hidden"),
       "Rows per peer a copy-engine staging area of staging_bytes holds (pure function, no GPU needed).");
 
-  // ---- push combine ----
-  m.attr("PUSH_CHUNK_TOKENS") = intranode::kPushChunkTokens;
-  m.def(
-      "push_staging_tokens",
-      [](int num_ranks, int64_t staging_bytes, int hidden) {
-        return intranode::PushStagingLayout::fit(num_ranks, 0, staging_bytes, 2LL * hidden).capacity;
-      },
-      py::arg("num_ranks"), py::arg("staging_bytes"), py::arg("hidden"),
-      "Owner tokens a push combine's staging area of staging_bytes holds (pure function, no GPU needed).");
-
   m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
         py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
@@ -344,11 +334,6 @@ PYBIND11_MODULE(_C, m) {
       .def("combine", [](IntranodeRuntime& self, const intranode::CombineArgs& args,
                          uintptr_t stream) { self.combine(args, as_stream(stream)); },
            py::arg("args"), py::arg("stream"))
-      .def("push_combine", [](IntranodeRuntime& self, const intranode::CombineArgs& args, int64_t staging_bytes,
-                              uintptr_t stream) { self.push_combine(args, staging_bytes, as_stream(stream)); },
-           py::arg("args"), py::arg("staging_bytes"), py::arg("stream"),
-           "The push combine (3-8 ranks): senders store rows into the owners' staging areas (`staging_bytes`: "
-           "every rank's smallest), with the ring combine behind it for a token count past the area.")
       .def("staged_combine",
            [](IntranodeRuntime& self, const intranode::StagedReduceArgs& args, const std::vector<int>& rows_from,
               int64_t staging_bytes, int num_sms, uintptr_t stream, uintptr_t side_stream) {

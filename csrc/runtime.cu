@@ -37,8 +37,6 @@ const char* wait_name(int kind) {
     case kWaitStagingFree: return "its staging area (copy-engine path: the peer is still summing an earlier piece)";
     case kWaitPeerOutputs: return "where its outputs are (direct dispatch: the peer has not reached the same call)";
     case kWaitPeerRows: return "the last of its rows (direct dispatch: the peer has not finished writing them)";
-    case kWaitPushEntered: return "it to enter the same combine (push combine: its staging area may still be read)";
-    case kWaitPushRows: return "a chunk of its rows (push combine: the peer has not pushed them)";
     default: return "a signal";
   }
 }

@@ -77,10 +77,6 @@ class IntranodeRuntime {
   // staging area on `stream` while the owner's SMs sum them on `side`; `stream` then waits for `side`.
   // Needs the host to know the received rows per source (a dispatch that synchronised with the host).
   void staged_combine(StagedCombineRequest request, cudaStream_t stream, cudaStream_t side);
-  // ---- push combine (push_combine.cu) ----
-  // Combine by SM pushes into the owners' staging areas (`staging_bytes`: every rank's smallest), with the
-  // ring combine launched after it for the case some rank's tokens exceed the area (see launch_push_combine).
-  void push_combine(intranode::CombineArgs args, int64_t staging_bytes, cudaStream_t stream);
 
   // Host wait for the notify published with `tag`; raises on bad input, device errors and timeout.
   NotifyResult wait_notify(int tag, int num_local_experts, cudaStream_t stream);

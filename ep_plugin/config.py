@@ -31,9 +31,6 @@ LIBFABRIC_PROVIDERS = ("cxi", "efa", "verbs")
 # How the low-latency combine's expert-side sums cross to the token's rank (low_latency_dispatch given
 # topk_weights): rounded to bf16 (half the bytes), or as fp32.
 EXPERT_SUMS_PARTIALS = ("bf16", "fp32")
-# The intranode combine at 3-8 ranks (native backend): `auto` picks the measured default (rings),
-# `rings` the SM combine through per-warp rings, `push` the push combine into the owners' staging areas.
-COMBINE_ALGORITHMS = ("auto", "rings", "push")
 # NVSHMEM's IBGDA bounds on NVSHMEM_QP_DEPTH (NVSHMEMI_IBGDA_MIN/MAX_QP_DEPTH).
 QP_DEPTH_RANGE = (128, 32768)
 # The direct dispatch's grid is at most num_sms blocks (2 per channel, 64 channels).
@@ -61,12 +58,6 @@ class DispatchSection(TuningSection):
     """The dispatch's chunk sizes, and how the direct dispatch spreads its rows over the SMs."""
     direct_max_blocks: int = 16      # blocks of the direct dispatch at most (0: num_sms)
     direct_chunk_tokens: int = 1     # tokens a warp of the direct dispatch claims at a time
-
-
-@dataclass(frozen=True)
-class CombineSection(TuningSection):
-    """The combine's chunk sizes and, at 3-8 ranks on one node, its algorithm (COMBINE_ALGORITHMS)."""
-    algorithm: str = AUTO
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,7 @@ class EpConfig:
     log_level: str = "info"
     buffer: BufferSection = field(default_factory=BufferSection)
     dispatch: DispatchSection = field(default_factory=DispatchSection)
-    combine: CombineSection = field(default_factory=CombineSection)
+    combine: TuningSection = field(default_factory=TuningSection)
     low_latency: LowLatencySection = field(default_factory=LowLatencySection)
     topology: TopologySection = field(default_factory=TopologySection)
     network: NetworkSection = field(default_factory=NetworkSection)
@@ -145,7 +136,7 @@ class EpConfig:
 _SECTIONS = {
     "buffer": BufferSection,
     "dispatch": DispatchSection,
-    "combine": CombineSection,
+    "combine": TuningSection,
     "low_latency": LowLatencySection,
     "topology": TopologySection,
     "network": NetworkSection,
@@ -246,8 +237,6 @@ def _validate_section(source: Optional[str], name: str, value: Any):
     merged = {**dataclasses.asdict(cls()), **value}
     k = lambda sub: f"{name}.{sub}"  # noqa: E731
     if issubclass(cls, TuningSection):
-        if cls is CombineSection:
-            merged["algorithm"] = _check_choice(source, k("algorithm"), merged["algorithm"], COMBINE_ALGORITHMS)
         for sub in sorted(f.name for f in dataclasses.fields(TuningSection)):
             merged[sub] = _check_int(source, k(sub), merged[sub], minimum=1, maximum=1 << 16, allow_none=True)
         for leg in ("nvl", "rdma"):

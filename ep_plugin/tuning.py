@@ -92,44 +92,6 @@ def staging_bytes(buffer, num_ranks: int) -> int:
     return peers * pieces * STAGING_ROWS_PER_PIECE * (2 * buffer.max_hidden + 4 * MAX_TOPK)
 
 
-# The push combine (combine.algorithm: push, 3-8 ranks; PushStagingLayout in buffer_layout.cuh): the same
-# staging area holds, per other rank, a region of PUSH_REGION_SLACK + tokens * (row + PUSH_TOKEN_EXTRA_BYTES)
-# bytes rounded up to 128: a ready word per PUSH_CHUNK_TOKENS tokens, MAX_TOPK weights and a row per token.
-# `combine_staging_tokens: auto` gives it AUTO_STAGING_TOKENS owner tokens.
-PUSH_CHUNK_TOKENS = 8
-PUSH_REGION_SLACK = 256
-PUSH_TOKEN_EXTRA_BYTES = 4 * MAX_TOPK + 8
-PUSH_MIN_RANKS = 3
-
-
-def combine_algorithm(algorithm: str, num_ranks: int) -> str:
-    """The intranode combine that `combine.algorithm` picks at `num_ranks`: "push" or "rings" (the
-    copy-engine combine at 2 ranks counts as "rings" here). `auto` is "rings" until the push combine is
-    measured faster."""
-    if algorithm == "push" and PUSH_MIN_RANKS <= num_ranks <= NUM_MAX_NVL_PEERS:
-        return "push"
-    return "rings"
-
-
-def push_staging_bytes(buffer, num_ranks: int) -> int:
-    """Bytes of the push combine's staging area: room for `combine_staging_tokens` owner tokens (auto:
-    AUTO_STAGING_TOKENS) of `buffer.max_hidden` from every other rank of the NVLink domain."""
-    peers = min(num_ranks, NUM_MAX_NVL_PEERS) - 1
-    tokens = (AUTO_STAGING_TOKENS if buffer.combine_staging_tokens == "auto"
-              else int(buffer.combine_staging_tokens))
-    if peers < 1 or tokens == 0:
-        return 0
-    return peers * _align(PUSH_REGION_SLACK + tokens * (2 * buffer.max_hidden + PUSH_TOKEN_EXTRA_BYTES), 128)
-
-
-def push_staging_tokens(staging_bytes_: int, num_ranks: int, hidden: int) -> int:
-    """Owner tokens that a push staging area of `staging_bytes_` holds at `hidden` (0: none)."""
-    if num_ranks < 2 or staging_bytes_ <= 0:
-        return 0
-    per_source = staging_bytes_ // (num_ranks - 1) // 128 * 128
-    return max(0, (per_source - PUSH_REGION_SLACK) // (2 * hidden + PUSH_TOKEN_EXTRA_BYTES))
-
-
 # `buffer.dispatch_output_bytes: auto`: the direct dispatch at 1 to 4 ranks, with room for two dispatches of
 # 4096 tokens per rank from every rank (at least 2), alive at once: 16384 received rows of `max_hidden` at 1
 # and 2 ranks, 32768 at 4. Measured faster than the rings at 2 ranks (2x H200: 177 against 234 us, BF16

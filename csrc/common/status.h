@@ -42,8 +42,6 @@ enum WaitKind : int32_t {
   kWaitTokenPartials = 8,   // low-latency combine with expert-side sums: a peer's partial for a token
   kWaitPeerOutputs = 9,     // direct dispatch: the peer has not said where its outputs are (not in the call)
   kWaitPeerRows = 10,       // direct dispatch: the peer has not finished writing its rows here
-  kWaitPushEntered = 13,    // push combine, sender: the owner has not entered the same combine
-  kWaitPushRows = 14,       // push combine, owner: a chunk of the peer's rows has not landed
 };
 
 struct DeviceStatus {

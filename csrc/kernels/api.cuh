@@ -102,25 +102,10 @@ struct CombineArgs {
   const void* bias_1;
   void* combined_x;                 // [T, hidden] bf16
   float* combined_topk_weights;     // [T, K] or nullptr
-  bool only_after_push_fallback;    // run only if the push combine before it fell back (see launch_push_combine)
   DeviceStatus* status;
   uint64_t timeout_ns;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
-
-// ---- push combine (intranode_push_combine.cu) ---------------------------------------------------
-struct PushCombineArgs {
-  CombineArgs combine;              // the ring combine's inputs and outputs (its ring fields unused)
-  int64_t staging_offset;           // where the staging area starts in every rank's buffer
-  int64_t staging_bytes;            // the smallest staging area of all ranks (PushStagingLayout::fit)
-  bool bulk_rows;                   // senders copy rows by bulk copies (sm_90 on)
-};
-// Senders store every received row straight into its owner's staging area, at a place fixed by the
-// owner token; owners sum each token as the chunks holding its copies are reported ready. Grid:
-// combine.num_channels * 2 blocks (even: senders, odd: owners). When some rank's token count exceeds
-// the area's capacity, every rank's kernel ends at once and flags the fallback: launch the ring
-// combine after it with only_after_push_fallback (a programmatic dependent launch).
-void launch_push_combine(const PushCombineArgs& args, cudaStream_t stream);
 
 // ---- copy-engine combine (intranode_staged_combine.cu; its host side in staged_combine.cu) --------
 struct StagedReduceArgs {

@@ -99,12 +99,6 @@ struct Header {
   uint32_t direct_next_chunk;  // chunks of tokens the direct dispatch's warps have claimed in this call
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
   uint32_t weights_blocks_done[kMaxNvlPeers];  // [dst]: blocks of this rank's reduction past their share of dst's weights
-  // ---- push combine (intranode_push_combine.cu) ----
-  // Written by rank src, into this (a sender's) header: the epoch of the push combine src has entered.
-  uint64_t push_entered[kMaxNvlPeers];  // [src]
-  // Local state.
-  uint32_t push_next_unit;  // units the push combine's sender warps have claimed in this call
-  uint32_t push_fell_back;  // 1: the last push combine left the rows to the ring combine launched after it
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 
@@ -208,57 +202,5 @@ __host__ __device__ inline int64_t nvl_buffer_size_hint(int64_t payload_bytes, i
                     slot_bytes_for(payload_bytes)};
   return layout.total_bytes();
 }
-
-// ---- push combine (intranode_push_combine.cu) ----------------------------------------------------
-// The push combine's staging area (the same bytes as the copy-engine combine's, which runs at 2 ranks
-// only): for each writing peer a region of `per_source_bytes`,
-//   [ ready words: one uint64 per chunk of kPushChunkTokens owner tokens, padded to 128 B ]
-//   [ top-k weights: capacity x kMaxTopk floats (a call packs num_topk per token) ]
-//   [ rows: capacity x row_bytes (owner token t's row at t * row_bytes) ]
-// so that every copy of owner token t from peer s has a fixed place, known without any count.
-constexpr int kPushChunkTokens = 8;       // owner tokens per ready word (and per sender unit)
-constexpr int64_t kPushRegionSlack = 256;  // a region's bytes beyond its per-token bytes (padding)
-constexpr int64_t kPushTokenBytesExtra = kMaxTopk * 4 + 8;  // per token besides its row: weights, ready word share
-
-struct PushStagingLayout {
-  int num_ranks;
-  int64_t offset;            // first byte of the staging area in the buffer
-  int64_t row_bytes;         // 2 * hidden
-  int64_t per_source_bytes;  // bytes of each writing peer's region (a multiple of 128)
-  int capacity;              // owner tokens a region holds (0: none)
-
-  // The layout of `staging_bytes` (every rank's smallest) for rows of `row_bytes`.
-  __host__ __device__ static PushStagingLayout fit(int num_ranks, int64_t offset, int64_t staging_bytes,
-                                                   int64_t row_bytes) {
-    PushStagingLayout layout{num_ranks, offset, row_bytes, 0, 0};
-    if (num_ranks < 2 || staging_bytes <= 0 || row_bytes <= 0) return layout;
-    layout.per_source_bytes = staging_bytes / (num_ranks - 1) / 128 * 128;
-    const int64_t tokens = (layout.per_source_bytes - kPushRegionSlack) / (row_bytes + kPushTokenBytesExtra);
-    layout.capacity = tokens <= 0 ? 0 : (tokens > (1 << 30) ? (1 << 30) : static_cast<int>(tokens));
-    return layout;
-  }
-  // Bytes a staging area needs for `tokens` owner tokens of `row_bytes` rows (PushStagingLayout::fit's inverse).
-  __host__ __device__ static int64_t bytes_for(int num_ranks, int64_t tokens, int64_t row_bytes) {
-    if (num_ranks < 2 || tokens <= 0) return 0;
-    const int64_t per_source = (kPushRegionSlack + tokens * (row_bytes + kPushTokenBytesExtra) + 127) / 128 * 128;
-    return (num_ranks - 1) * per_source;
-  }
-  __host__ __device__ int64_t ready_bytes() const {
-    return ((static_cast<int64_t>(capacity) + kPushChunkTokens - 1) / kPushChunkTokens * 8 + 127) / 128 * 128;
-  }
-  // The region of `owner`'s buffer that `writer` fills.
-  __host__ __device__ int64_t region_offset(int owner, int writer) const {
-    const int peer_index = writer < owner ? writer : writer - 1;
-    return offset + peer_index * per_source_bytes;
-  }
-  // Within a region: the ready word of chunk c, and owner token t's weights and row.
-  __host__ __device__ int64_t ready_offset(int chunk) const { return static_cast<int64_t>(chunk) * 8; }
-  __host__ __device__ int64_t weights_offset(int64_t token, int num_topk) const {
-    return ready_bytes() + token * num_topk * 4;
-  }
-  __host__ __device__ int64_t row_offset(int64_t token) const {
-    return ready_bytes() + static_cast<int64_t>(capacity) * kMaxTopk * 4 + token * row_bytes;
-  }
-};
 
 }  // namespace ep_plugin::intranode

@@ -198,12 +198,6 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_kernel(CombineArgs args) {
   Header* me = header_of(args.peer_buffers, args.rank);
-  if (args.only_after_push_fallback) {
-    // Launched while the push combine before it ends (programmatic dependent launch): its flag is final
-    // once it has ended. It ran (the usual case): nothing to do.
-    wait_for_prerequisites();
-    if (me->push_fell_back == 0) return;
-  }
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
   const int warp = threadIdx.x >> 5;
@@ -226,26 +220,8 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
   EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(args.num_channels * 2);
-  config.blockDim = dim3(kThreadsPerBlock);
-  config.stream = stream;
-  // NOTE: after a push combine, the launch overlaps that kernel's end, so that the usual case, no
-  // fallback, costs no launch gap (as the ring dispatch after a direct dispatch).
-  cudaLaunchAttribute overlap = {};
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  static const bool dependent_launches = [] {
-    int device = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 9;
-  }();
-  if (args.only_after_push_fallback && dependent_launches) {
-    config.attrs = &overlap;
-    config.numAttrs = 1;
-  }
-  CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel, args));
+  combine_kernel<<<args.num_channels * 2, kThreadsPerBlock, 0, stream>>>(args);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace ep_plugin::intranode

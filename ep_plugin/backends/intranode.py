@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..output_region import OutputRegion
-from ..tuning import Config, combine_algorithm, output_region_bytes, push_staging_bytes, staging_bytes
+from ..tuning import Config, output_region_bytes, staging_bytes
 from .native_common import NativeBase, _C, address_of, local_experts
 
 if TYPE_CHECKING:
@@ -40,12 +40,8 @@ class IntranodeMode(NativeBase):
         """The runtime over every rank of the group, its peers' buffers mapped; in normal mode also the
         copy-engine combine's staging area and the direct dispatch's output region."""
         info, settings = self.info, self.settings
-        # The staging area of the copy-engine combine (2 ranks) or of the push combine (combine.algorithm:
-        # push, 3-8 ranks): only for buffers made for normal mode.
-        self._push_combine = (not low_latency_mode
-                              and combine_algorithm(settings.combine.algorithm, info.num_ranks) == "push")
-        staging = (0 if low_latency_mode else push_staging_bytes(settings.buffer, info.num_ranks)
-                   if self._push_combine else staging_bytes(settings.buffer, info.num_ranks))
+        # The copy-engine combine's staging area: only for buffers made for normal mode.
+        staging = 0 if low_latency_mode else staging_bytes(settings.buffer, info.num_ranks)
         output_bytes = 0 if low_latency_mode else output_region_bytes(settings.buffer, info.num_ranks)
         self._runtime = _C.IntranodeRuntime(info.rank, info.num_ranks, num_nvl_bytes, settings.timeout_s, staging,
                                             output_bytes, settings.dispatch.direct_max_blocks,
@@ -55,7 +51,6 @@ class IntranodeMode(NativeBase):
         self._runtime.connect([handle for handle, _ in peers])
         # Every rank carves its peers' staging areas alike: by the smallest of them.
         self._staging_bytes = min(size for _, size in peers)
-        self._push_combine = self._push_combine and self._staging_bytes > 0
         if output_bytes > 0:
             self._outputs = OutputRegion(self._runtime.output_region_address, output_bytes, info.device)
 
@@ -215,7 +210,7 @@ class IntranodeMode(NativeBase):
             self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
             self.last_combine_path = "copy_engine"
             return combined_x, combined_weights
-        self.last_combine_path = "push" if self._push_combine else "sm"
+        self.last_combine_path = "sm"
         self._sm_combine(x, topk_weights, handle, bias_0, bias_1, combined_x, combined_weights, config)
         return combined_x, combined_weights
 
@@ -235,10 +230,7 @@ class IntranodeMode(NativeBase):
         args.src_num_tokens, args.send_pos = address_of(handle.src_num_tokens), address_of(handle.send_pos)
         args.bias_0, args.bias_1 = address_of(bias_0), address_of(bias_1)
         args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
-        if self._push_combine:
-            self._intranode().push_combine(args, self._staging_bytes, self._stream())
-        else:
-            self._intranode().combine(args, self._stream())
+        self._intranode().combine(args, self._stream())
 
     def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
         """Whether this combine goes through the copy engines (the same answer on every rank).
@@ -247,8 +239,7 @@ class IntranodeMode(NativeBase):
         not `num_worst_tokens`), a staging area that holds two pieces of rows, and no graph capture:
         the host numbers each combine, and a replayed graph would repeat the numbers.
         """
-        return (not self._push_combine and self._staging_bytes > 0 and handle.num_recv_per_rank is not None
-                and self.info.num_ranks > 1
+        return (self._staging_bytes > 0 and handle.num_recv_per_rank is not None and self.info.num_ranks > 1
                 and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
                 and not torch.cuda.is_current_stream_capturing())
 

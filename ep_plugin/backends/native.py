@@ -63,11 +63,9 @@ class NativeBackend(InternodeMode, LowLatencyMode):
             raise RuntimeError(f"native backend unavailable: {reason}")
         self._runtime = None
         self._staging_bytes = 0
-        # combine.algorithm: push (3-8 ranks): the push combine, through the staging area.
-        self._push_combine = False
         self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
         self._side_stream: Optional[torch.cuda.Stream] = None
-        self.last_combine_path = ""  # "copy_engine", "push" or "sm" (intranode combine; for tests and logs)
+        self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         self._ll = None
         self._ll_parity = 0
