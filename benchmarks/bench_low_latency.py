@@ -1,7 +1,7 @@
 """Low-latency dispatch/combine under CUDA graphs: native kernels vs the reference backend.
 
-    python3 benchmarks/bench_low_latency.py --out benchmarks/results/DIR/low_latency.json \
-        --plot benchmarks/results/DIR/low_latency_tokens.png
+    python3 benchmarks/bench_low_latency.py --out benchmarks/results/h100x2-ep2-low-latency-graphs.json \
+        --plot /tmp/low_latency_tokens.png
 
 Per point (tokens per rank T, with T_max = T): one FP8 (or bf16) dispatch and one bf16 combine are
 checked against the reference backend, then each is captured in its own CUDA graph and the two

@@ -27,7 +27,7 @@ slowest rank's median. Also reported: the "algorithmic" bandwidth of the dispatc
 GB/s = 4 * T * top-k * H * 2 bytes / time (every (token, expert) row once in each of dispatch,
 combine and their two backward passes), the same formula for every dispatcher.
 
-    python3 benchmarks/bench_megatron_layer.py --expert-impl grouped --out benchmarks/results/megatron-layer-h100x2.json
+    python3 benchmarks/bench_megatron_layer.py --expert-impl grouped --out benchmarks/results/h100x2-ep2-megatron-layer.json
 
 Defaults: hidden 4096, 64 experts, top-6, FFN hidden 1408, 8192 tokens per rank, bf16, EP 2.
 Targets: ep_plugin's dispatcher time <= 0.5 x flex+DeepEP's and layer step >= 1.3x faster; against
