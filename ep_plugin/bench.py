@@ -706,7 +706,8 @@ def _compare_low_latency_dispatch(got, want, peer: bool) -> None:
             _assert_equal(f"recv_x[{e}]", g, w)
         elif isinstance(g, tuple):
             got_rows, want_rows = _dequantized(g), _dequantized(w)
-            _assert_within_fp8_step(f"recv_x[{e}]", got_rows, want_rows[_nearest_rows(f"recv_x[{e}]", got_rows, want_rows)])
+            paired = want_rows[_nearest_rows(f"recv_x[{e}]", got_rows, want_rows)]
+            _assert_within_fp8_step(f"recv_x[{e}]", got_rows, paired)
         else:
             _assert_equal(f"recv_x[{e}]", _sorted_rows(g), _sorted_rows(w))
 
@@ -736,10 +737,10 @@ def _assert_within_fp8_step(name: str, got: torch.Tensor, want: torch.Tensor) ->
 
 
 def _sorted_rows(rows):
-    """The rows (and their scales) ordered by a random projection of their values (bytes for
-    non-float data): equal sets of distinct rows come out in the same order."""
+    """The rows (and their scales) ordered by a random projection of their bytes: equal sets of
+    distinct rows come out in the same order."""
     data = rows[0] if isinstance(rows, tuple) else rows
-    raw = (data.double() if data.dtype == torch.float32 else raw_bytes(data).double()).reshape(data.size(0), -1)
+    raw = raw_bytes(data).reshape(data.size(0), -1).double()
     projection = torch.rand(raw.size(1), generator=torch.Generator().manual_seed(7), dtype=torch.float64,
                             device="cpu")
     order = (raw @ projection.to(raw.device)).argsort()

@@ -4,11 +4,12 @@ API: every public method of DeepEP's Buffer exists with the same name, kind (sta
 positional order and defaults; the list comes from DeepEP's buffer.py (parsed with `ast`) where the
 peer sources are present, else from the list checked in here (and the list must match the peer's).
 
-Semantics, on 2 ranks (reference backend over gloo, on the GPUs where there are some; native backend on 2 GPUs, skipped without
-them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU, set_default_device("cuda")):
-handle contents against values computed from every rank's inputs, dispatch without top-k then
-cached dispatch and combine with its handle, num_worst_tokens, previous_event / async_finish /
-allocate_on_comm_stream, the low-latency handle, zero_copy, the mask buffer, bad input.
+Semantics, on 2 ranks (reference backend over gloo, on the GPUs where there are some; native backend
+on 2 GPUs, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
+set_default_device("cuda")): handle contents against values computed from every rank's inputs,
+dispatch without top-k then cached dispatch and combine with its handle, num_worst_tokens,
+previous_event / async_finish / allocate_on_comm_stream, the low-latency handle, zero_copy, the mask
+buffer, bad input.
 """
 from __future__ import annotations
 
