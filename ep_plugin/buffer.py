@@ -20,6 +20,7 @@ from . import masking
 from . import validation as V
 from .backends import select_backend
 from .backends.base import Backend, DispatchRoute, GroupInfo
+from .backends.waits import join_group
 from .config import EpConfig, as_config
 from .environment import apply_environment
 from .event import EventHandle, EventOverlap
@@ -131,6 +132,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = bool(enable_shrink)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        join_group(group, self.rank, self.group_size, settings.timeout_s)  # before the first collective
         ranks_per_node = resolve_ranks_per_node(group, settings.topology.ranks_per_node)
         self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,
                                ranks_per_node=ranks_per_node, device=device)

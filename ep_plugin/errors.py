@@ -24,7 +24,7 @@ class EpCommError(RuntimeError):
         rank: the rank that raised (in the runtime's numbering: a node-local rank for the intranode
             stage of internode mode).
         peers: the ranks it waited for, () where unknown.
-        operation: the Buffer method ("dispatch", "combine", ...).
+        operation: the Buffer method ("dispatch", "combine", ...; "Buffer" for its creation).
         step: the step inside it ("notify", "counts", "rows", "ring space", ...), or "".
         device_usable: False if this process's CUDA context is stopped (a trapped kernel).
         detail: the backend's own description (e.g. the native report with expected/observed counters).

@@ -1,7 +1,7 @@
 """The reference backend honours `timeout_s` (ep_plugin/backends/waits.py): 2 gloo ranks on the CPU.
 
-A rank that never makes a call: the other raises EpTimeoutError within timeout_s + a few seconds,
-naming it. A rank that exits: the other raises EpCommError naming it. A rank that stalls past the
+A rank that never makes a call, or never creates its Buffer: the other raises EpTimeoutError within
+timeout_s + a few seconds, naming it. A rank that exits: the other raises EpCommError naming it. A rank that stalls past the
 timeout and then makes its call: it raises EpCommError at once (its peer gave the call up), with
 no collective left half-paired. Ranks that raised end with `finish_rank` (their process group holds
 an abandoned collective, which would block its teardown).
@@ -119,3 +119,25 @@ def healthy_rank(rank: int, world: int, group):
 
 def test_healthy_calls_are_counted_and_pass():
     assert parallel_launch(2, healthy_rank, backend="gloo", timeout_s=60) == [6, 6]
+
+
+def creation_rank(rank: int, world: int, group, low_latency: bool):
+    """Rank 1 never creates its Buffer; rank 0 reports what creating its own did."""
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2.0)
+        finish_rank("absent")
+    started = time.monotonic()
+    try:
+        make_buffer(group, low_latency)
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        finish_rank(error_facts(error, started))
+    finish_rank({"type": None, "seconds": time.monotonic() - started})
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["normal", "low_latency"])
+def test_a_rank_that_never_creates_its_buffer_is_named_within_the_timeout(low_latency):
+    survivor, absent = parallel_launch(2, creation_rank, low_latency, backend="gloo", timeout_s=60)
+    assert absent == "absent"
+    assert survivor["timeout"] and survivor["peers"] == (1,) and survivor["operation"] == "Buffer", survivor
+    assert TIMEOUT_S <= survivor["seconds"] < TIMEOUT_S + SLACK_S, survivor
+    assert "did not create their Buffer" in survivor["message"], survivor

@@ -133,6 +133,36 @@ class CollectiveWaits:
         self.wait(work, step)
 
 
+# Buffers created over one group, numbered in creation order, for their arrival marks (join_group).
+_joins_per_group: Dict[Tuple[int, ...], "itertools.count"] = {}
+
+
+def join_group(group, rank: int, num_ranks: int, timeout_s: float) -> None:
+    """Wait until every rank of `group` has started creating its Buffer, at most `timeout_s`.
+
+    Creating a Buffer is a collective (topology discovery, the native backends' handle exchange), and
+    a collective has no deadline of its own: ranks whose peer never creates its Buffer would wait for
+    the process group's own timeout. Each rank marks its arrival in the group's store and waits for
+    the others' marks; the ranks missing at the deadline are named in EpTimeoutError. Without a store
+    (a group torch does not expose it for) nothing is waited for here.
+    """
+    store = _group_store(group)
+    if store is None or num_ranks == 1:
+        return
+    serial = next(_joins_per_group.setdefault(tuple(dist.get_process_group_ranks(group)), itertools.count()))
+    keys = [f"ep_plugin/join/{serial}/{r}" for r in range(num_ranks)]
+    store.set(keys[rank], "1")
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            absent = tuple(r for r in range(num_ranks) if not store.check([keys[r]]))
+            raise EpTimeoutError(rank, "Buffer", "the peers named did not create their Buffer (every rank of "
+                                 "the group creates it)", absent, device_usable=True, seconds=timeout_s)
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-4), 10 * _MAX_POLL_S)
+
+
 def honours_timeouts(cls):
     """Class decorator for a backend over torch.distributed: gives it `self.waits` (a CollectiveWaits over
     its group with the config's `timeout_s`) and starts each operation with `waits.begin`."""
