@@ -20,7 +20,8 @@
 #   megatron   the Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel:
 #              python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #                --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2)
-#   host       the host's time per call of layout / dispatch / cached dispatch / combine (benchmarks/profile_host.py)
+#   host       the host's time per call of layout / dispatch / cached dispatch / combine, then eager low-latency
+#              pairs and layouts beside DeepEP V1 (benchmarks/profile_host.py, --eager)
 #
 # EP_TEST_RANKS=4 (or 8) runs the multi-rank tests at that many ranks; the benchmarks use every GPU.
 # A device call lasts at most 10 minutes: split the stages over calls and set DEADLINE_S a little under the
@@ -161,6 +162,8 @@ for s in $STAGES; do
       for t in 128 4096; do
         stage host timeout 120 python3 benchmarks/profile_host.py --tokens "$t" --iters 300 --top 30
       done
+      # Eager calls as a DeepEP program makes them, DeepEP V1 beside (after the deepep stage).
+      stage host timeout 180 python3 benchmarks/profile_host.py --eager --iters 200 --top 30
       ;;
     *)
       echo "$s: unknown stage" >> "$summary"
