@@ -15,9 +15,8 @@ group's teardown until the group's own timeout: end such a process with `os._exi
 from __future__ import annotations
 
 import functools
-import itertools
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -27,11 +26,6 @@ from ..errors import EpCommError, EpTimeoutError
 _OPERATIONS = {"dispatch": "dispatch", "cached_dispatch": "dispatch", "combine": "combine",
                "low_latency_dispatch": "low_latency_dispatch", "low_latency_combine": "low_latency_combine"}
 _MAX_POLL_S = 1e-3  # the longest sleep between two polls of a pending collective
-
-# Buffers made over one group, numbered in creation order (the same on every rank: creation is
-# collective), so that their marks in the group's store stay apart.
-_buffers_per_group: Dict[Tuple[int, ...], "itertools.count"] = {}
-
 
 def _group_store(group) -> Optional[dist.Store]:
     """The process group's store, or None where torch does not expose it."""
@@ -46,9 +40,10 @@ class CollectiveWaits:
 
     def __init__(self, group, rank: int, num_ranks: int, timeout_s: float) -> None:
         self.group, self.rank, self.num_ranks, self.timeout_s = group, rank, num_ranks, timeout_s
-        ranks = tuple(dist.get_process_group_ranks(group))
-        serial = next(_buffers_per_group.setdefault(ranks, itertools.count()))
         self.store = _group_store(group)
+        # This rank's count of such backends in the group's store: the same on every rank (creation is
+        # collective), so that each Buffer's marks stay apart; a new group starts the counts afresh.
+        serial = self.store.add(f"ep_plugin/waits_created/{rank}", 1) if self.store is not None else 0
         self.prefix = f"ep_plugin/waits/{serial}"
         self.call = 0
         self.operation = ""
@@ -133,32 +128,30 @@ class CollectiveWaits:
         self.wait(work, step)
 
 
-# Buffers created over one group, numbered in creation order, for their arrival marks (join_group).
-_joins_per_group: Dict[Tuple[int, ...], "itertools.count"] = {}
-
-
 def join_group(group, rank: int, num_ranks: int, timeout_s: float) -> None:
     """Wait until every rank of `group` has started creating its Buffer, at most `timeout_s`.
 
     Creating a Buffer is a collective (topology discovery, the native backends' handle exchange), and
     a collective has no deadline of its own: ranks whose peer never creates its Buffer would wait for
-    the process group's own timeout. Each rank marks its arrival in the group's store and waits for
-    the others' marks; the ranks missing at the deadline are named in EpTimeoutError. Without a store
-    (a group torch does not expose it for) nothing is waited for here.
+    the process group's own timeout. Each rank counts its Buffers in the group's store and waits until
+    every peer's count has reached its own; the ranks behind at the deadline are named in
+    EpTimeoutError. The counts live in the group's store only (a new group, e.g. one that takes in a
+    restarted rank, starts them afresh on every rank). Without a store nothing is waited for here.
     """
     store = _group_store(group)
     if store is None or num_ranks == 1:
         return
-    serial = next(_joins_per_group.setdefault(tuple(dist.get_process_group_ranks(group)), itertools.count()))
-    keys = [f"ep_plugin/join/{serial}/{r}" for r in range(num_ranks)]
-    store.set(keys[rank], "1")
+    keys = [f"ep_plugin/buffers_created/{r}" for r in range(num_ranks)]
+    mine = store.add(keys[rank], 1)
     deadline = time.monotonic() + timeout_s
     delay = 0.0
-    while not store.check(keys):
+    while True:
+        behind = tuple(r for r in range(num_ranks) if r != rank and store.add(keys[r], 0) < mine)
+        if not behind:
+            return
         if time.monotonic() > deadline:
-            absent = tuple(r for r in range(num_ranks) if not store.check([keys[r]]))
             raise EpTimeoutError(rank, "Buffer", "the peers named did not create their Buffer (every rank of "
-                                 "the group creates it)", absent, device_usable=True, seconds=timeout_s)
+                                 "the group creates it)", behind, device_usable=True, seconds=timeout_s)
         time.sleep(delay)
         delay = min(max(2 * delay, 1e-4), 10 * _MAX_POLL_S)
 
