@@ -99,11 +99,7 @@ class LowLatencyMode(NativeBase):
 
     def _check_low_latency_shapes(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
                                   num_topk: int) -> None:
-        """What Buffer does not check but these kernels need; raised before anything runs (once per shapes:
-        a decode loop repeats them)."""
-        shapes = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk)
-        if shapes in self._ll_shapes_checked:
-            return
+        """What Buffer does not check but these kernels need; raised before anything runs."""
         if num_max_dispatch_tokens_per_rank > _C_nvshmem.MAX_TOKENS:
             raise ValueError(f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} exceeds the "
                              f"native low-latency limit of {_C_nvshmem.MAX_TOKENS}")
@@ -118,7 +114,6 @@ class LowLatencyMode(NativeBase):
             raise ValueError(f"num_rdma_bytes = {self.num_rdma_bytes} is too small for T_max="
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
-        self._ll_shapes_checked.add(shapes)
 
     def _next_parity(self) -> int:
         """The round of this dispatch: rounds alternate, so two dispatch/combine rounds can be in flight.

@@ -69,7 +69,6 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         self._ll = None
         self._ll_parity = 0
-        self._ll_shapes_checked = set()  # (T_max, hidden, num_experts, top-k) that passed _check_low_latency_shapes
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0

@@ -41,9 +41,8 @@ class CollectiveWaits:
     def __init__(self, group, rank: int, num_ranks: int, timeout_s: float) -> None:
         self.group, self.rank, self.num_ranks, self.timeout_s = group, rank, num_ranks, timeout_s
         self.store = _group_store(group)
-        # This rank's count of such backends in the group's store: the same on every rank (creation is
-        # collective), so that each Buffer's marks stay apart; a new group starts the counts afresh.
-        serial = self.store.add(f"ep_plugin/waits_created/{rank}", 1) if self.store is not None else 0
+        # The Buffer's number in its group (join_group counted it): each Buffer's marks stay apart.
+        serial = self.store.add(_created_key(rank), 0) if self.store is not None else 0
         self.prefix = f"ep_plugin/waits/{serial}"
         self.call = 0
         self.operation = ""
@@ -128,6 +127,11 @@ class CollectiveWaits:
         self.wait(work, step)
 
 
+def _created_key(rank: int) -> str:
+    """The store key counting the Buffers `rank` has created over the store's group."""
+    return f"ep_plugin/buffers_created/{rank}"
+
+
 def join_group(group, rank: int, num_ranks: int, timeout_s: float) -> None:
     """Wait until every rank of `group` has started creating its Buffer, at most `timeout_s`.
 
@@ -139,10 +143,10 @@ def join_group(group, rank: int, num_ranks: int, timeout_s: float) -> None:
     restarted rank, starts them afresh on every rank). Without a store nothing is waited for here.
     """
     store = _group_store(group)
-    if store is None or num_ranks == 1:
+    if store is None:
         return
-    keys = [f"ep_plugin/buffers_created/{r}" for r in range(num_ranks)]
-    mine = store.add(keys[rank], 1)
+    keys = [_created_key(r) for r in range(num_ranks)]
+    mine = store.add(keys[rank], 1)  # also the Buffer's number for CollectiveWaits
     deadline = time.monotonic() + timeout_s
     delay = 0.0
     while True:
