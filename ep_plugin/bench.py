@@ -87,6 +87,7 @@ class BenchSettings:
     seed: int = 0
     gpu_lead_us: float = 0.0            # a GPU sleep before each timed call's flush (Timer)
     baselines: Tuple[str, ...] = ("reference",)  # timed beside ours: "reference", "deepep"
+    peer_required: bool = False         # --baseline deepep: sizes DeepEP cannot run are an error, not a skip
     check: bool = True                  # verify results against the reference backend
     style: Tuple[str, ...] = ()         # DeepEP-program conditions (STYLE_CONDITIONS)
     sweep: Dict[str, List[int]] = field(default_factory=dict)  # e.g. {"num_sms": [8, 16, 24]}
@@ -153,6 +154,41 @@ def resolve_baselines(choice: str) -> Tuple[str, ...]:
     if why and peer_importable():  # found but broken: say so rather than drop it silently
         print(f"ep-plugin bench: no DeepEP baseline: {why}", file=sys.stderr, flush=True)
     return ("reference",) if why else ("reference", "deepep")
+
+
+# DeepEP V1's low-latency kernels exist for these hidden sizes only (its launch switch), with at most
+# this many top-k, and its TMA needs ranks x tokens to be a multiple of 4.
+PEER_LOW_LATENCY_HIDDENS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+PEER_LOW_LATENCY_MAX_TOPK = 11
+
+
+def peer_cannot_run(s: BenchSettings, num_ranks: int) -> str:
+    """Why DeepEP V1 cannot run these (resolved) sizes ('' where it can)."""
+    if s.mode != "low_latency":
+        return ""
+    if s.hidden not in PEER_LOW_LATENCY_HIDDENS:
+        return (f"has no low-latency kernels for --hidden {s.hidden} "
+                f"(only {', '.join(map(str, PEER_LOW_LATENCY_HIDDENS))})")
+    if s.num_topk > PEER_LOW_LATENCY_MAX_TOPK:
+        return f"takes at most top-{PEER_LOW_LATENCY_MAX_TOPK} in low-latency mode, not --topk {s.num_topk}"
+    if num_ranks * s.num_tokens % 4:
+        return (f"needs ranks x tokens to be a multiple of 4 in low-latency mode, not {num_ranks} x "
+                f"--tokens {s.num_tokens}")
+    return ""
+
+
+def fit_peer(points: List[BenchSettings], num_ranks: int) -> List[BenchSettings]:
+    """The points, without the DeepEP baseline where DeepEP cannot run their sizes (said on stderr);
+    with --baseline deepep that is an error instead."""
+    if "deepep" not in points[0].baselines:
+        return points
+    why = next((reason for reason in (peer_cannot_run(p, num_ranks) for p in points) if reason), "")
+    if not why:
+        return points
+    if points[0].peer_required:
+        raise UsageError(f"--baseline deepep: DeepEP V1 {why}; use --baseline auto to run without it")
+    print(f"ep-plugin bench: no DeepEP baseline: DeepEP V1 {why}", file=sys.stderr, flush=True)
+    return [dataclasses.replace(p, baselines=tuple(b for b in p.baselines if b != "deepep")) for p in points]
 
 
 def validate(s: BenchSettings, num_ranks: int, on_gpu: bool) -> None:
@@ -1062,6 +1098,8 @@ def run_bench(s: BenchSettings) -> dict:
         points = [dataclasses.replace(base, **{key: v}) for v in values]
     for point in points:
         validate(point, num_ranks, on_gpu)
+    points = fit_peer(points, num_ranks)
+    base = dataclasses.replace(base, baselines=points[0].baselines)
     where = "one GPU each, NCCL" if on_gpu else "CPU processes, gloo"
     print(f"ep-plugin bench: {num_ranks} ranks ({where}); "
           + (f"sweeping {key} over {values}" if s.sweep else f"baselines: {', '.join(base.baselines) or 'none'}"),

@@ -95,6 +95,7 @@ def _bench(args: argparse.Namespace, argv: List[str]) -> int:
                              num_experts=args.experts, num_sms=args.num_sms, dtype=args.dtype,
                              warmup=args.warmup, iters=args.iters, seed=args.seed, gpu_lead_us=args.gpu_lead_us,
                              baselines=resolve_baselines("none" if args.no_baseline else args.baseline),
+                             peer_required=not args.no_baseline and args.baseline == "deepep",
                              check=not args.no_check, style=parse_style(args.style, mode),
                              sweep=_parse_sweep(args.sweep),
                              command=f"{PROG} " + " ".join(shlex.quote(a) for a in argv))

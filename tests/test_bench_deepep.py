@@ -7,6 +7,7 @@ figures and the ratio beside ours, in the JSON and in the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ def deep_ep_is_ep_plugin(tmp_path, monkeypatch):
 
 def run(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--out", str(out), *SMALL, *args]) == 0
+    # DeepEP V1's low-latency kernels exist for a few hidden sizes only (bench.PEER_LOW_LATENCY_HIDDENS).
+    sizes = SMALL + (["--hidden", "2048"] if "low_latency" in args else [])
+    assert cli.main(["bench", "--out", str(out), *sizes, *args]) == 0
     return json.loads(out.read_text())
 
 
@@ -128,3 +131,23 @@ def test_a_deepep_that_fails_to_import_is_named(tmp_path, monkeypatch, capsys):
     with pytest.raises(cli.UsageError, match="--baseline deepep: importing deep_ep failed"):
         bench.resolve_baselines("deepep")
     assert bench.resolve_baselines("none") == () and bench.resolve_baselines("reference") == ("reference",)
+
+
+def test_sizes_deepep_cannot_run_drop_its_baseline_or_are_an_error_when_it_was_asked_for(tmp_path, capsys,
+                                                                                       deep_ep_is_ep_plugin):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--out", str(out), *SMALL, "--mode", "low_latency"]) == 0
+    (result,) = json.loads(out.read_text())["runs"]
+    assert "deepep" not in result and result["checked"]
+    assert "no DeepEP baseline: DeepEP V1 has no low-latency kernels for --hidden 256" in capsys.readouterr().err
+    assert cli.main(["bench", *SMALL, "--mode", "low_latency", "--baseline", "deepep"]) == 2
+    assert "--baseline deepep: DeepEP V1 has no low-latency kernels for --hidden 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sizes,why", [(dict(num_topk=12, num_experts=16), "--topk 12"),
+                                       (dict(num_tokens=33), "2 x --tokens 33"),
+                                       (dict(hidden=7168), "")])
+def test_deepep_low_latency_limits(sizes, why):
+    settings = bench.BenchSettings(mode="low_latency", num_tokens=40, hidden=2048, num_topk=3, num_experts=8)
+    reason = bench.peer_cannot_run(dataclasses.replace(settings, **sizes), 2)
+    assert why in reason and bool(reason) == bool(why)
