@@ -10,6 +10,11 @@
 #              "links" are the GPU's own memory); set BENCH_RANKS to bench more ranks than GPUs
 #   unshare    stop that MPS daemon
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode files), -k "$PYTEST_K" if set
+#   suite      every test file that uses GPUs, to the end: at 2 ranks in two streams on the GPU pairs (0,1) and
+#              (2,3) where 4 GPUs are present (about 5 minutes on 4x H100 instead of 10), then at 4 ranks
+#              (EP_TEST_RANKS=4) the files whose cases depend on the rank count (about 11 minutes: a call of its own)
+#              SUITE_RANKS="2 4" (default) picks the passes. Carry .whl (megatron-core) and build `deepep` first
+#              for the Megatron and DeepEP cases.
 #   timeouts   the tests that end in a device trap by design (a missing peer, an out-of-range id, ranks that
 #              disagree), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
@@ -52,6 +57,21 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
   local rc=$?
   echo "$name: rc=$rc, $((SECONDS - start)) s" >> "$summary"
   return $rc
+}
+
+# The GPU-using test files, in two halves of similar length at 2 ranks; the rank-dependent ones at 4.
+SUITE_A="tests/test_native_intranode.py tests/test_cli.py tests/test_permute.py tests/test_reference_normal.py
+  tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py"
+SUITE_B="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_layout.py
+  tests/test_output_region.py tests/test_native_internode.py tests/test_megatron_gpu.py
+  tests/test_megatron_integration.py tests/test_torch_grouped_experts.py"
+SUITE_4="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_internode.py"
+
+suite_pass() {  # suite_pass NAME GPUS FILES...: pytest to the end on those GPUs (all if GPUS is empty)
+  local name=$1 gpus=$2; shift 2
+  env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout -k 10 "$(time_left 20)" python3 -m pytest -q -rfEs --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? ($(grep -E "passed|failed" "$OUT/$name.log" | tail -1))" >> "$summary"
 }
 
 bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
@@ -105,6 +125,23 @@ for s in $STAGES; do
       [ "$left" -lt "$TEST_TIMEOUT" ] && TEST_TIMEOUT=$left
       stage tests timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -rs --durations=25 $PYTEST_ARGS \
         ${PYTEST_K:+-k "$PYTEST_K"}
+      ;;
+    suite)
+      ls .whl/megatron_core-*.whl > /dev/null 2>&1 && \
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/tests.log" 2>&1
+      for ranks in ${SUITE_RANKS:-2 4}; do
+        if [ "$ranks" = 2 ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+          suite_pass suite2a 0,1 $SUITE_A & suite_pass suite2b 2,3 $SUITE_B & wait
+        elif [ "$ranks" = 2 ]; then
+          suite_pass suite2 "" $SUITE_A $SUITE_B
+        else
+          export EP_TEST_RANKS=$ranks
+          # The intranode tests of one rank ran in the 2-rank pass.
+          suite_pass "suite${ranks}_intranode" "" tests/test_native_intranode.py -k "not test_cases_one_rank and not at_one_rank"
+          suite_pass "suite$ranks" "" $SUITE_4
+          unset EP_TEST_RANKS
+        fi
+      done
       ;;
     timeouts)
       # -s shows the device's report of the wait that timed out.
