@@ -10,11 +10,11 @@
 #              "links" are the GPU's own memory); set BENCH_RANKS to bench more ranks than GPUs
 #   unshare    stop that MPS daemon
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode files), -k "$PYTEST_K" if set
-#   suite      every test file that uses GPUs, to the end: at 2 ranks in two streams on the GPU pairs (0,1) and
-#              (2,3) where 4 GPUs are present (about 5 minutes on 4x H100 instead of 10), then at 4 ranks
-#              (EP_TEST_RANKS=4) the files whose cases depend on the rank count (about 11 minutes: a call of its own)
-#              SUITE_RANKS="2 4" (default) picks the passes. Carry .whl (megatron-core) and build `deepep` first
-#              for the Megatron and DeepEP cases.
+#   suite      every test file that uses GPUs, to the end, in passes of about 5 minutes each (SUITE_PASSES, one
+#              or two per call with the build): `2`, every file at 2 ranks, in two streams on the GPU pairs (0,1)
+#              and (2,3) where 4 GPUs are present; `4a`, the intranode file at 4 ranks (EP_TEST_RANKS=4);
+#              `4b`, the other rank-dependent files at 4 ranks. Carry .whl (megatron-core) and build `deepep`
+#              first for the Megatron and DeepEP cases.
 #   timeouts   the tests that end in a device trap by design (a missing peer, an out-of-range id, ranks that
 #              disagree), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
@@ -129,18 +129,20 @@ for s in $STAGES; do
     suite)
       ls .whl/megatron_core-*.whl > /dev/null 2>&1 && \
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/tests.log" 2>&1
-      for ranks in ${SUITE_RANKS:-2 4}; do
-        if [ "$ranks" = 2 ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-          suite_pass suite2a 0,1 $SUITE_A & suite_pass suite2b 2,3 $SUITE_B & wait
-        elif [ "$ranks" = 2 ]; then
-          suite_pass suite2 "" $SUITE_A $SUITE_B
-        else
-          export EP_TEST_RANKS=$ranks
-          # The intranode tests of one rank ran in the 2-rank pass.
-          suite_pass "suite${ranks}_intranode" "" tests/test_native_intranode.py -k "not test_cases_one_rank and not at_one_rank"
-          suite_pass "suite$ranks" "" $SUITE_4
-          unset EP_TEST_RANKS
-        fi
+      for pass in ${SUITE_PASSES:-2}; do
+        case $pass in
+          2)
+            if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+              suite_pass suite2a 0,1 $SUITE_A & suite_pass suite2b 2,3 $SUITE_B & wait
+            else
+              suite_pass suite2 "" $SUITE_A $SUITE_B
+            fi
+            ;;
+          # The intranode tests of one rank ran in pass 2.
+          4a) EP_TEST_RANKS=4 suite_pass suite4a "" tests/test_native_intranode.py -k "not test_cases_one_rank and not at_one_rank" ;;
+          4b) EP_TEST_RANKS=4 suite_pass suite4b "" $SUITE_4 ;;
+          *) echo "suite: unknown pass $pass (2, 4a, 4b)" >> "$summary" ;;
+        esac
       done
       ;;
     timeouts)
