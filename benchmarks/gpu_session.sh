@@ -19,6 +19,8 @@
 #              disagree), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
 #   sweeps     SM sweep 8..48 and token sweep 128..16384, with plots
+#   rings      the SM combine's rings at every GPU's rank count, send chunk / ring tokens (RING_CONFIGS, default
+#              "1/64 2/64 2/128 2/256 4/256": pipelines 2 to 8 chunks deep), then the SM sweep with DeepEP beside
 #   ll         the native low-latency tests (LL_TESTS=0 skips them), then benchmarks/bench_low_latency.py
 #   internode  the native internode tests, then the bench on 2 emulated nodes of 1 GPU (NVLink underneath), direct
 #              stores and the network path (`network.force_puts`)
@@ -167,6 +169,14 @@ for s in $STAGES; do
       bench sweep_sms --sweep num_sms=8,16,24,32,48 --no-baseline --warmup 2 --iters 10 --plot "$OUT/results_dir/sweep_sms.png"
       bench sweep_tokens --num-sms 24 --sweep tokens=128,512,1024,2048,4096,8192,16384 --no-baseline --warmup 2 --iters 10 \
         --plot "$OUT/results_dir/sweep_tokens.png"
+      ;;
+    rings)
+      for ring in ${RING_CONFIGS:-1/64 2/64 2/128 2/256 4/256}; do
+        printf 'combine: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\n' "${ring%/*}" "${ring#*/}" \
+          > "/tmp/ring_${ring%/*}_${ring#*/}.yaml"
+        bench "rings_${ring%/*}_${ring#*/}" --config "/tmp/ring_${ring%/*}_${ring#*/}.yaml" --no-baseline --no-check
+      done
+      bench sweep_sms_combine --sweep num_sms=16,24,32,48 --no-check $BASELINE_ARGS
       ;;
     ll)
       [ "${LL_TESTS:-1}" = 1 ] && stage tests timeout 300 \
