@@ -20,7 +20,7 @@
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
 #   sweeps     SM sweep 8..48 and token sweep 128..16384, with plots
 #   rings      the SM combine's rings at every GPU's rank count, send chunk / ring tokens (RING_CONFIGS, default
-#              "1/64 2/64 2/128 2/256 4/256": pipelines 2 to 8 chunks deep), then the SM sweep with DeepEP beside
+#              "1/64 2/64 2/128 2/256 4/256 9/256": pipelines 2 to 8 chunks deep, and DeepEP's), then the SM sweep with DeepEP beside
 #   ll         the native low-latency tests (LL_TESTS=0 skips them), then benchmarks/bench_low_latency.py
 #   internode  the native internode tests, then the bench on 2 emulated nodes of 1 GPU (NVLink underneath), direct
 #              stores and the network path (`network.force_puts`)
@@ -171,7 +171,7 @@ for s in $STAGES; do
         --plot "$OUT/results_dir/sweep_tokens.png"
       ;;
     rings)
-      for ring in ${RING_CONFIGS:-1/64 2/64 2/128 2/256 4/256}; do
+      for ring in ${RING_CONFIGS:-1/64 2/64 2/128 2/256 4/256 9/256}; do
         printf 'combine: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\n' "${ring%/*}" "${ring#*/}" \
           > "/tmp/ring_${ring%/*}_${ring#*/}.yaml"
         bench "rings_${ring%/*}_${ring#*/}" --config "/tmp/ring_${ring%/*}_${ring#*/}.yaml" --no-baseline --no-check
