@@ -1,0 +1,175 @@
+"""The Python host cost of eager calls, on a machine without a GPU: a real `ep_plugin.Buffer` over the native
+backend whose kernels are replaced by stand-ins that accept the same calls and do nothing.
+
+What it measures: everything a user's eager `low_latency_dispatch`, `low_latency_combine` and
+`get_dispatch_layout` run in Python on the way to the kernel launch: Buffer's argument checks and
+wrappers, the backend's output allocations (torch.empty on the CPU), its Args structs (the real pybind
+ones), handle objects. Two spawned ranks over gloo (a group of 2: 2 ranks' shapes); rank 0 times, rank
+1 waits. Prints the median host time per call and rank 0's cProfile, top functions by own time.
+
+What it cannot measure: the native runtime's own host time (the pybind call into C++ and the CUDA
+launch; here a Python no-op), torch.empty through the CUDA caching allocator (here the CPU allocator,
+with glibc's mmap threshold raised so that the 235 MB recv_x is not an mmap + munmap per call, as it is
+not on a GPU), the current-stream lookup (here a stand-in returning 0), and Buffer's device and stream
+handling, which on CPU is skipped (`Buffer._run` with no communication stream). On an H100 host these add
+roughly 10-20 us per call; benchmarks/profile_host.py --eager measures the whole on GPUs.
+
+    python3 benchmarks/probes/host_overhead.py --iters 2000
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import io
+import os
+import pstats
+import statistics
+import time
+import sys
+import types
+from pathlib import Path
+from typing import Callable, Dict
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the repository's ep_plugin first (spawned ranks too)
+    sys.path.insert(0, str(ROOT))
+# Read by each spawned rank's allocator at start-up (see the docstring).
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
+os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ep_plugin.buffer  # noqa: E402
+from ep_plugin import Buffer  # noqa: E402
+from ep_plugin.backends import intranode, native, native_common  # noqa: E402
+from ep_plugin.bench import random_routing  # noqa: E402
+from ep_plugin.launch import parallel_launch  # noqa: E402
+
+NUM_DEVICE_SMS = 132  # an H100's
+
+
+class StandInLowLatencyRuntime:
+    """`_C_nvshmem.LowLatencyRuntime`'s per-call methods, doing nothing."""
+
+    def dispatch(self, args, parity: int, stream: int) -> None:
+        pass
+
+    def combine(self, args, parity: int, stream: int) -> None:
+        pass
+
+    def supports_expert_sums(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> bool:
+        return True
+
+    def destroy(self, collective: bool = True) -> None:
+        pass
+
+
+class StandInIntranodeRuntime:
+    def destroy(self) -> None:
+        pass
+
+
+def _no_layout_kernel(**kwargs) -> None:
+    """`_C.get_dispatch_layout`, doing nothing."""
+
+
+@contextlib.contextmanager
+def stand_in_kernels():
+    """NativeBackend's real constructor and methods, over stand-in runtimes, on the CPU."""
+    properties = types.SimpleNamespace(multi_processor_count=NUM_DEVICE_SMS)
+    with mock.patch.object(native, "unsupported_reason", return_value=""), \
+            mock.patch.object(native.NativeBackend, "_start_low_latency",
+                              lambda self, num_rdma_bytes: StandInLowLatencyRuntime()), \
+            mock.patch.object(native.NativeBackend, "_start_intranode",
+                              lambda self, num_nvl_bytes, low_latency_mode: setattr(
+                                  self, "_runtime", StandInIntranodeRuntime())), \
+            mock.patch.object(torch.cuda, "get_device_properties", return_value=properties), \
+            mock.patch.object(torch.cuda, "synchronize"), \
+            mock.patch.object(native_common, "_current_raw_stream", lambda device_index: 0), \
+            mock.patch.object(intranode._C, "get_dispatch_layout", _no_layout_kernel), \
+            mock.patch.object(ep_plugin.buffer, "select_backend",
+                              lambda info, settings, nvl, rdma, low_latency: native.NativeBackend(
+                                  info, settings, nvl, rdma, low_latency)):
+        yield
+
+
+def _median_us(step: Callable[[], object], iters: int) -> float:
+    for _ in range(iters // 10):  # warm-up
+        step()
+    times = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - begin) * 1e6)
+    return statistics.median(times)
+
+
+def _profile(step: Callable[[], object], iters: int, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    text.write(f"---- ll dispatch + combine, by own time ({iters} pairs; times are totals)\n")
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
+    with stand_in_kernels():
+        rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world_size, args.experts)
+        ll = Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+        normal = Buffer(group, 1 << 30, 0, explicitly_destroy=True)
+        assert ll.backend_name == normal.backend_name == "native"
+        result: Dict = {}
+        if rank == 0:
+            generator = torch.Generator().manual_seed(rank)
+            x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16)
+            topk_idx = random_routing(args.tokens, args.experts, args.topk, "cpu", generator)
+            weights = torch.rand(args.tokens, args.topk, generator=generator)
+            recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
+            expert_out = torch.randn(recv_x[0].shape, generator=generator, dtype=torch.bfloat16)
+
+            def dispatch():
+                return ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
+
+            def combine():
+                return ll.low_latency_combine(expert_out, topk_idx, weights, handle)
+
+            def pair():
+                pair_handle = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)[2]
+                ll.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
+
+            result["us"] = {name: _median_us(step, args.iters) for name, step in (
+                ("low_latency_dispatch", dispatch), ("low_latency_combine", combine), ("ll pair", pair),
+                ("get_dispatch_layout", lambda: normal.get_dispatch_layout(topk_idx, args.experts)))}
+            result["profile"] = _profile(pair, args.iters, args.top)
+        dist.barrier(group=group)
+        ll.destroy()
+        normal.destroy()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=20, help="functions listed")
+    args = parser.parse_args()
+    result = parallel_launch(2, probe_rank, args, backend="gloo", timeout_s=600.0)[0]
+    print(f"host us per call, median of {args.iters} (stand-in kernels, CPU tensors; {args.tokens} tokens x "
+          f"{args.hidden}, top-{args.topk} of {args.experts} experts, 2 ranks)")
+    for name, us in result["us"].items():
+        print(f"  {name:22s} {us:7.1f}")
+    print(result["profile"])
+
+
+if __name__ == "__main__":
+    main()
