@@ -688,13 +688,14 @@ class Buffer:
             raise NotImplementedError("dispatch_wait_recv_cost_stats is not supported by ep_plugin; pass None")
         V.check_tensor("x", x, (torch.bfloat16,), 2, device)
         V.check_row_bytes("x", x)
-        V.check_topk("topk_idx", topk_idx, x.size(0), device)
+        num_tokens, hidden = x.shape
+        V.check_topk("topk_idx", topk_idx, num_tokens, device)
         V.check_num_experts(num_experts, self.group_size)
         if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
                              f"{num_max_dispatch_tokens_per_rank!r}")
-        if x.size(0) > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x has {x.size(0)} tokens, more than num_max_dispatch_tokens_per_rank = "
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = "
                              f"{num_max_dispatch_tokens_per_rank}")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
@@ -707,11 +708,11 @@ class Buffer:
             if not cumulative_local_expert_recv_stats.is_contiguous():
                 raise ValueError("cumulative_local_expert_recv_stats must be contiguous (it is updated in place)")
         if topk_weights is not None:
-            V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+            V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, topk_idx.shape)
             if not topk_weights.is_contiguous():
                 raise ValueError("low_latency_dispatch: topk_weights must be contiguous (the combine must get the "
                                  "same tensor)")
-        self._check_low_latency_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        self._check_low_latency_size(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._settings.check_inputs:
             V.check_expert_ids("topk_idx", topk_idx, num_experts)
         route_idx = topk_idx  # the caller's tensor: the combine must get this one when topk_weights are given
@@ -758,12 +759,12 @@ class Buffer:
             raise NotImplementedError("combine_wait_recv_cost_stats is not supported by ep_plugin; pass None")
         V.check_hook_without_async(async_finish, return_recv_hook)
         handle = self._check_handle(handle)
-        V.check_tensor("x", x, (torch.bfloat16,), 3, device, tuple(handle.recv_shape))
+        V.check_tensor("x", x, (torch.bfloat16,), 3, device, handle.recv_shape)
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
-        V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, tuple(topk_idx.shape))
+        V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, topk_idx.shape)
         V.check_dispatch_route(handle.dispatch_route, topk_idx, topk_weights)
         if out is not None:
-            V.check_tensor("out", out, (torch.bfloat16,), 2, device, (handle.num_tokens, x.size(2)))
+            V.check_tensor("out", out, (torch.bfloat16,), 2, device, (handle.num_tokens, x.shape[2]))
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous")
         outputs, event = self._run(

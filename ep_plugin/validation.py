@@ -22,33 +22,41 @@ def is_capturing() -> bool:
 
 def check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
                  device: Optional[torch.device] = None, shape: Optional[Sequence[Optional[int]]] = None) -> None:
-    """Type, dtype, rank, device and (partial) shape of one tensor argument."""
+    """Type, dtype, rank, device and (partial: None = any size) shape of one tensor argument."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         allowed = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype {allowed}, got {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    size = tensor.shape
+    if len(size) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(size)}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name} must be on {device}, got {tensor.device}")
-    if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, tensor.shape)):
-            if want is not None and want != got:
-                raise ValueError(f"{name} must have size {want} in dimension {axis}, got shape {tuple(tensor.shape)}")
+    if shape is not None and size != shape:  # a full match first: the common case, and quick
+        for axis, want in enumerate(shape):
+            if want is not None and want != size[axis]:
+                raise _size_error(name, want, axis, size)
+
+
+def _size_error(name: str, want: int, axis: int, size: torch.Size) -> ValueError:
+    return ValueError(f"{name} must have size {want} in dimension {axis}, got shape {tuple(size)}")
 
 
 def check_row_bytes(name: str, tensor: torch.Tensor) -> None:
-    row_bytes = tensor.size(-1) * tensor.element_size()
+    row_bytes = tensor.shape[-1] * tensor.element_size()
     if row_bytes % 16 != 0:
-        raise ValueError(f"{name}: rows must be a multiple of 16 bytes (hidden {tensor.size(-1)} x "
+        raise ValueError(f"{name}: rows must be a multiple of 16 bytes (hidden {tensor.shape[-1]} x "
                          f"{tensor.element_size()} B = {row_bytes} B)")
 
 
 def check_topk(name: str, topk_idx: torch.Tensor, num_tokens: int, device: torch.device) -> None:
-    check_tensor(name, topk_idx, (torch.int64,), 2, device, (num_tokens, None))
-    if topk_idx.size(1) < 1 or topk_idx.size(1) > MAX_TOPK:
-        raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {topk_idx.size(1)}")
+    check_tensor(name, topk_idx, (torch.int64,), 2, device)
+    rows, num_topk = topk_idx.shape
+    if rows != num_tokens:
+        raise _size_error(name, num_tokens, 0, topk_idx.shape)
+    if num_topk < 1 or num_topk > MAX_TOPK:
+        raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {num_topk}")
 
 
 def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
