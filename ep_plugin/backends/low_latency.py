@@ -130,17 +130,17 @@ class LowLatencyMode(NativeBase):
                              return_recv_hook, topk_weights):
         runtime = self._low_latency()
         T, K = topk_idx.shape
-        H = x.size(1)
+        H = x.shape[1]
         R = self.info.num_ranks
         self._check_low_latency_shapes(num_max_dispatch_tokens_per_rank, H, num_experts, K)
         num_local = num_experts // R
         num_slots = R * num_max_dispatch_tokens_per_rank
         if use_fp8:
             data = self._empty(num_local, num_slots, H, dtype=fp8.FP8_DTYPE)
-            # Column-major in the last two dimensions: allocate [E_local, S, slots], view transposed.
+            # [E_local, slots, S], column-major in the last two dimensions (as [E_local, S, slots] transposed).
             width = fp8.num_ue8m0_words(H) if use_ue8m0 else fp8.num_blocks(H)
-            scales = self._empty(num_local, width, num_slots, dtype=torch.int32 if use_ue8m0 else torch.float32)
-            scales = scales.transpose(1, 2)
+            scales = torch.empty_strided((num_local, num_slots, width), (width * num_slots, 1, num_slots),
+                                         dtype=torch.int32 if use_ue8m0 else torch.float32, device=self.info.device)
             recv_x = (data, scales)
         else:
             data = self._empty(num_local, num_slots, H, dtype=torch.bfloat16)
