@@ -11,8 +11,9 @@ What it cannot measure: the native runtime's own host time (the pybind call into
 launch; here a Python no-op), torch.empty through the CUDA caching allocator (here the CPU allocator,
 with glibc's mmap threshold raised so that the 235 MB recv_x is not an mmap + munmap per call, as it is
 not on a GPU), the current-stream lookup (here a stand-in returning 0), and Buffer's device and stream
-handling, which on CPU is skipped (`Buffer._run` with no communication stream). On an H100 host these add
-roughly 10-20 us per call; benchmarks/profile_host.py --eager measures the whole on GPUs.
+handling, which on CPU is skipped (`Buffer._run` with no communication stream); nor how much slower
+the GPU machine's CPU runs the same Python. benchmarks/profile_host.py --eager measures the whole on GPUs.
+It times the checkout it sits in: to compare revisions, run it on each.
 
     python3 benchmarks/probes/host_overhead.py --iters 2000
 """
@@ -20,21 +21,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import contextlib
 import io
 import os
 import pstats
 import statistics
-import time
 import sys
-import types
+import time
 from pathlib import Path
 from typing import Callable, Dict
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's ep_plugin first (spawned ranks too)
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the stand-in kernels (tests/stand_in_native.py)
 # Read by each spawned rank's allocator at start-up (see the docstring).
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
@@ -42,58 +41,10 @@ os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ep_plugin.buffer  # noqa: E402
 from ep_plugin import Buffer  # noqa: E402
-from ep_plugin.backends import intranode, native, native_common  # noqa: E402
 from ep_plugin.bench import random_routing  # noqa: E402
 from ep_plugin.launch import parallel_launch  # noqa: E402
-
-NUM_DEVICE_SMS = 132  # an H100's
-
-
-class StandInLowLatencyRuntime:
-    """`_C_nvshmem.LowLatencyRuntime`'s per-call methods, doing nothing."""
-
-    def dispatch(self, args, parity: int, stream: int) -> None:
-        pass
-
-    def combine(self, args, parity: int, stream: int) -> None:
-        pass
-
-    def supports_expert_sums(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> bool:
-        return True
-
-    def destroy(self, collective: bool = True) -> None:
-        pass
-
-
-class StandInIntranodeRuntime:
-    def destroy(self) -> None:
-        pass
-
-
-def _no_layout_kernel(**kwargs) -> None:
-    """`_C.get_dispatch_layout`, doing nothing."""
-
-
-@contextlib.contextmanager
-def stand_in_kernels():
-    """NativeBackend's real constructor and methods, over stand-in runtimes, on the CPU."""
-    properties = types.SimpleNamespace(multi_processor_count=NUM_DEVICE_SMS)
-    with mock.patch.object(native, "unsupported_reason", return_value=""), \
-            mock.patch.object(native.NativeBackend, "_start_low_latency",
-                              lambda self, num_rdma_bytes: StandInLowLatencyRuntime()), \
-            mock.patch.object(native.NativeBackend, "_start_intranode",
-                              lambda self, num_nvl_bytes, low_latency_mode: setattr(
-                                  self, "_runtime", StandInIntranodeRuntime())), \
-            mock.patch.object(torch.cuda, "get_device_properties", return_value=properties), \
-            mock.patch.object(torch.cuda, "synchronize"), \
-            mock.patch.object(native_common, "_current_raw_stream", lambda device_index: 0), \
-            mock.patch.object(intranode._C, "get_dispatch_layout", _no_layout_kernel), \
-            mock.patch.object(ep_plugin.buffer, "select_backend",
-                              lambda info, settings, nvl, rdma, low_latency: native.NativeBackend(
-                                  info, settings, nvl, rdma, low_latency)):
-        yield
+from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels  # noqa: E402
 
 
 def _median_us(step: Callable[[], object], iters: int) -> float:
@@ -120,7 +71,7 @@ def _profile(step: Callable[[], object], iters: int, top: int) -> str:
 
 
 def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
-    with stand_in_kernels():
+    with stand_in_kernels(StandInLowLatencyRuntime()):
         rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world_size, args.experts)
         ll = Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
         normal = Buffer(group, 1 << 30, 0, explicitly_destroy=True)

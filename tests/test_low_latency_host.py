@@ -1,0 +1,212 @@
+"""The native low-latency backend's host code, on CPU, through the public `ep_plugin.Buffer`: the outputs
+it allocates and the Args each launch hands the kernels, recorded by a stand-in runtime
+(tests/stand_in_native.py); bad input raises before any launch. The kernels themselves are
+tests/test_native_low_latency.py's (GPU). Two spawned ranks (2 ranks' shapes; the stand-in needs
+no peer); every case runs on each.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import Callable, Dict, Optional
+
+import pytest
+import torch
+
+from case_runner import assert_case_passed, run_each
+from ep_plugin import Buffer
+from ep_plugin.bench import random_routing
+from ep_plugin.launch import parallel_launch
+
+pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
+_C_nvshmem = pytest.importorskip("ep_plugin._C_nvshmem", reason="ep_plugin._C_nvshmem is not built here (no NVSHMEM)")
+from stand_in_native import RecordingLowLatencyRuntime, stand_in_kernels  # noqa: E402
+
+BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+T_MAX, HIDDEN, NUM_EXPERTS, TOPK = 16, 640, 8, 3  # 5 FP8 scales per row, 2 UE8M0 words
+SEND_RECV = _C_nvshmem.PHASE_SEND | _C_nvshmem.PHASE_RECV
+
+
+class Ctx:
+    def __init__(self, rank: int, num_ranks: int, buffer: Buffer, runtime: RecordingLowLatencyRuntime,
+                 seed: int) -> None:
+        self.rank, self.num_ranks, self.buffer, self.runtime = rank, num_ranks, buffer, runtime
+        self.gen = torch.Generator().manual_seed(seed + rank)
+        self.num_local = NUM_EXPERTS // num_ranks
+        self.num_slots = num_ranks * T_MAX
+
+    def inputs(self, num_tokens: int = T_MAX - 3):
+        x = torch.randn(num_tokens, HIDDEN, generator=self.gen).to(torch.bfloat16)
+        return x, random_routing(num_tokens, NUM_EXPERTS, TOPK, "cpu", self.gen)
+
+    def expert_outputs(self) -> torch.Tensor:
+        return torch.randn(self.num_local, self.num_slots, HIDDEN, generator=self.gen).to(torch.bfloat16)
+
+    def launch(self, index: int = -1):
+        return self.runtime.launches[index]
+
+
+def _expect_fields(fields: Dict[str, object], **expected) -> None:
+    for name, value in expected.items():
+        assert fields[name] == value, f"Args.{name} = {fields[name]!r}, expected {value!r}"
+
+
+def case_fp8_dispatch_and_combine(ctx: Ctx) -> None:
+    """FP8 outputs with column-major float scales; the Args name each tensor; the combine uses the round
+    of its dispatch; rounds alternate."""
+    x, topk_idx = ctx.inputs()
+    first = len(ctx.runtime.launches)
+    (data, scales), recv_count, handle, _, hook = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                                   use_fp8=True)
+    assert hook is None
+    num_scales = math.ceil(HIDDEN / 128)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == (ctx.num_local, ctx.num_slots, HIDDEN)
+    assert data.is_contiguous()
+    assert scales.dtype == torch.float32 and scales.shape == (ctx.num_local, ctx.num_slots, num_scales)
+    assert scales.stride() == (num_scales * ctx.num_slots, 1, ctx.num_slots), scales.stride()
+    assert recv_count.dtype == torch.int32 and recv_count.shape == (ctx.num_local,)
+    assert len(handle) == 5 and handle[2:] == (T_MAX, HIDDEN, NUM_EXPERTS)
+    assert handle[1].dtype == torch.int64 and handle[1].shape == (ctx.num_local, ctx.num_ranks)
+    assert handle.recv_src_info.dtype == torch.int32 and handle.recv_src_info.shape == (ctx.num_local, ctx.num_slots)
+    assert len(ctx.runtime.launches) == first + 1
+    operation, fields, parity = ctx.launch()
+    assert operation == "dispatch"
+    _expect_fields(fields, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=x.size(0), num_topk=TOPK,
+                   hidden=HIDDEN, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=T_MAX, use_fp8=True,
+                   round_scale=False, use_ue8m0=False, recv_x=data.data_ptr(), recv_scales=scales.data_ptr(),
+                   recv_count=recv_count.data_ptr(), recv_src_info=handle.recv_src_info.data_ptr(),
+                   recv_layout=handle[1].data_ptr(), cumulative_local_expert_recv_stats=0, topk_weights=0,
+                   carry_route=False, phases=SEND_RECV)
+
+    expert_out, weights = ctx.expert_outputs(), torch.rand(x.size(0), TOPK, generator=ctx.gen)
+    combined, _, hook = ctx.buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+    assert hook is None and combined.dtype == torch.bfloat16 and combined.shape == x.shape
+    operation, combine_fields, combine_parity = ctx.launch()
+    assert operation == "combine" and combine_parity == parity
+    _expect_fields(combine_fields, x=expert_out.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                   topk_weights=weights.data_ptr(), out=combined.data_ptr(), num_tokens=x.size(0), num_topk=TOPK,
+                   hidden=HIDDEN, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=T_MAX,
+                   recv_src_info=fields["recv_src_info"], recv_layout=fields["recv_layout"], expert_sums=False,
+                   phases=SEND_RECV)
+
+    ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, use_fp8=True)
+    assert ctx.launch()[2] == 1 - parity, "consecutive dispatches must use alternate rounds"
+
+
+def case_ue8m0_scales(ctx: Ctx) -> None:
+    """UE8M0 scales: int32 words, four per word, column-major like the float scales."""
+    x, topk_idx = ctx.inputs()
+    (_, scales), _, _, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, use_fp8=True,
+                                                              round_scale=True, use_ue8m0=True)
+    words = math.ceil(math.ceil(HIDDEN / 128) / 4)
+    assert scales.dtype == torch.int32 and scales.shape == (ctx.num_local, ctx.num_slots, words)
+    assert scales.stride() == (words * ctx.num_slots, 1, ctx.num_slots), scales.stride()
+    _expect_fields(ctx.launch()[1], use_fp8=True, round_scale=True, use_ue8m0=True, recv_scales=scales.data_ptr())
+
+
+def case_bf16_dispatch_with_weights_and_out(ctx: Ctx) -> None:
+    """BF16: no scales; topk_weights and statistics reach the kernels; the combine writes into `out`."""
+    x, topk_idx = ctx.inputs(T_MAX)
+    weights = torch.rand(T_MAX, TOPK, generator=ctx.gen)
+    stats = torch.zeros(ctx.num_local, dtype=torch.int32)
+    recv_x, _, handle, _, _ = ctx.buffer.low_latency_dispatch(
+        x, topk_idx, T_MAX, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats, use_fp8=False,
+        topk_weights=weights)
+    assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (ctx.num_local, ctx.num_slots, HIDDEN)
+    _expect_fields(ctx.launch()[1], use_fp8=False, recv_x=recv_x.data_ptr(), recv_scales=0,
+                   cumulative_local_expert_recv_stats=stats.data_ptr(), topk_weights=weights.data_ptr(),
+                   carry_route=True)
+    out = torch.empty(T_MAX, HIDDEN, dtype=torch.bfloat16)
+    combined, _, _ = ctx.buffer.low_latency_combine(ctx.expert_outputs(), topk_idx, weights, handle, out=out)
+    assert combined is out
+    _expect_fields(ctx.launch()[1], out=out.data_ptr(), expert_sums=True)
+
+
+def case_receive_hooks(ctx: Ctx) -> None:
+    """With return_recv_hook the call only sends; the hook's first call receives into the same outputs."""
+    x, topk_idx = ctx.inputs()
+    recv_x, _, handle, _, hook = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, use_fp8=False,
+                                                                 return_recv_hook=True)
+    operation, send, parity = ctx.launch()
+    assert operation == "dispatch" and send["phases"] == _C_nvshmem.PHASE_SEND
+    count = len(ctx.runtime.launches)
+    hook()
+    hook()
+    assert len(ctx.runtime.launches) == count + 1, "a hook receives once"
+    operation, receive, receive_parity = ctx.launch()
+    assert operation == "dispatch" and receive_parity == parity
+    assert receive == {**send, "phases": _C_nvshmem.PHASE_RECV}
+
+    weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+    combined, _, hook = ctx.buffer.low_latency_combine(ctx.expert_outputs(), topk_idx, weights, handle,
+                                                       return_recv_hook=True)
+    operation, send, _ = ctx.launch()
+    assert operation == "combine" and send["phases"] == _C_nvshmem.PHASE_SEND
+    hook()
+    operation, receive, _ = ctx.launch()
+    assert operation == "combine" and receive == {**send, "phases": _C_nvshmem.PHASE_RECV}
+    assert receive["out"] == combined.data_ptr()
+
+
+def case_bad_input_launches_nothing(ctx: Ctx) -> None:
+    """Each bad argument gets its error, naming it, and no kernel is launched."""
+    x, topk_idx = ctx.inputs()
+    _, _, handle, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+    weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+    expert_out = ctx.expert_outputs()
+    count = len(ctx.runtime.launches)
+    dispatch = ctx.buffer.low_latency_dispatch
+    combine = ctx.buffer.low_latency_combine
+    bad_calls = [
+        (TypeError, "x must have dtype", lambda: dispatch(x.float(), topk_idx, T_MAX, NUM_EXPERTS)),
+        (ValueError, "x must be 2-D", lambda: dispatch(x[0], topk_idx, T_MAX, NUM_EXPERTS)),
+        (ValueError, "multiple of 16 bytes", lambda: dispatch(x[:, :4], topk_idx, T_MAX, NUM_EXPERTS)),
+        (ValueError, f"topk_idx must have size {x.size(0)} in dimension 0",
+         lambda: dispatch(x, topk_idx[1:], T_MAX, NUM_EXPERTS)),
+        (TypeError, "topk_idx must have dtype", lambda: dispatch(x, topk_idx.int(), T_MAX, NUM_EXPERTS)),
+        (ValueError, "more than num_max_dispatch_tokens_per_rank", lambda: dispatch(x, topk_idx, 2, NUM_EXPERTS)),
+        (ValueError, "num_experts", lambda: dispatch(x, topk_idx, T_MAX, NUM_EXPERTS + 1)),
+        (ValueError, "topk_weights must have size", lambda: dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                    topk_weights=weights[:, :1])),
+        (ValueError, "x must have size", lambda: combine(expert_out[:, 1:], topk_idx, weights, handle)),
+        (ValueError, "topk_idx must have size", lambda: combine(expert_out, topk_idx[1:], weights, handle)),
+        (TypeError, "topk_weights must have dtype", lambda: combine(expert_out, topk_idx, weights.double(), handle)),
+        (ValueError, "topk_weights must have size", lambda: combine(expert_out, topk_idx, weights[:, 1:], handle)),
+        (ValueError, "out must have size", lambda: combine(expert_out, topk_idx, weights, handle,
+                                                          out=torch.empty(1, HIDDEN, dtype=torch.bfloat16))),
+        (ValueError, "handle does not come from this Buffer", lambda: combine(expert_out, topk_idx, weights, None)),
+    ]
+    for error, message, call in bad_calls:
+        with pytest.raises(error, match=message):
+            call()
+    assert len(ctx.runtime.launches) == count, "a rejected call must launch no kernel"
+
+
+CASES = [name for name in globals() if name.startswith("case_")]
+
+
+def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
+    return {name: (lambda fn=globals()[name]: fn(ctx)) for name in CASES}
+
+
+def host_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:
+    runtime = RecordingLowLatencyRuntime()
+    with stand_in_kernels(runtime):
+        rdma = Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, num_ranks, NUM_EXPERTS)
+        buffer = Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+        assert buffer.backend_name == "native"
+        try:
+            return run_each(_cases(Ctx(rank, num_ranks, buffer, runtime, seed)), CASES)
+        finally:
+            buffer.destroy()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return parallel_launch(2, host_worker, BASE_SEED, backend="gloo", timeout_s=120)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency_host(results, case):
+    assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED}")
