@@ -400,8 +400,7 @@ class Buffer:
         """
         backend = self._live_backend()
         V.check_num_experts(num_experts, self.group_size)
-        V.check_topk("topk_idx", topk_idx, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0,
-                     self._device())
+        V.check_topk("topk_idx", topk_idx, None, self._device())
         self._check_expert_ids(topk_idx, num_experts)
         outputs, event = self._run(lambda: backend.get_dispatch_layout(topk_idx.contiguous(), num_experts),
                                    [topk_idx], previous_event, async_finish, allocate_on_comm_stream)

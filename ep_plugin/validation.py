@@ -50,10 +50,11 @@ def check_row_bytes(name: str, tensor: torch.Tensor) -> None:
                          f"{tensor.element_size()} B = {row_bytes} B)")
 
 
-def check_topk(name: str, topk_idx: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+def check_topk(name: str, topk_idx: torch.Tensor, num_tokens: Optional[int], device: torch.device) -> None:
+    """`[T, K]` int64 expert ids with T = num_tokens (None: any) and K in [1, MAX_TOPK]."""
     check_tensor(name, topk_idx, (torch.int64,), 2, device)
     rows, num_topk = topk_idx.shape
-    if rows != num_tokens:
+    if num_tokens is not None and rows != num_tokens:
         raise _size_error(name, num_tokens, 0, topk_idx.shape)
     if num_topk < 1 or num_topk > MAX_TOPK:
         raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {num_topk}")

@@ -195,7 +195,7 @@ class LowLatencyMode(NativeBase):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out):
         runtime = self._low_latency()
         handle = self._low_latency_handle(handle)
-        if tuple(topk_idx.shape) != (handle.num_tokens, handle.num_topk):
+        if topk_idx.shape != (handle.num_tokens, handle.num_topk):
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's had "
                              f"{(handle.num_tokens, handle.num_topk)}")
         # zero_copy: the caller wrote the expert outputs into the staging area; x's data is not read. NOTE:
