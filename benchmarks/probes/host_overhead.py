@@ -70,6 +70,26 @@ def _profile(step: Callable[[], object], iters: int, top: int) -> str:
     return text.getvalue()
 
 
+def _steps(ll: Buffer, normal: Buffer, args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
+    """The timed calls, on fresh random inputs (CPU)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.tokens, args.hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    topk_idx = random_routing(args.tokens, args.experts, args.topk, "cpu", generator)
+    weights = torch.rand(args.tokens, args.topk, generator=generator, dtype=torch.float32)
+    recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
+    expert_out = torch.randn(recv_x[0].shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+
+    def pair():
+        pair_handle = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)[2]
+        ll.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
+
+    return {"low_latency_dispatch": lambda: ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts,
+                                                                    use_fp8=True),
+            "low_latency_combine": lambda: ll.low_latency_combine(expert_out, topk_idx, weights, handle),
+            "ll pair": pair,
+            "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts)}
+
+
 def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
     with stand_in_kernels(StandInLowLatencyRuntime()):
         rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world_size, args.experts)
@@ -78,27 +98,15 @@ def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> D
         assert ll.backend_name == normal.backend_name == "native"
         result: Dict = {}
         if rank == 0:
-            generator = torch.Generator().manual_seed(rank)
-            x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16)
-            topk_idx = random_routing(args.tokens, args.experts, args.topk, "cpu", generator)
-            weights = torch.rand(args.tokens, args.topk, generator=generator)
-            recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
-            expert_out = torch.randn(recv_x[0].shape, generator=generator, dtype=torch.bfloat16)
-
-            def dispatch():
-                return ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
-
-            def combine():
-                return ll.low_latency_combine(expert_out, topk_idx, weights, handle)
-
-            def pair():
-                pair_handle = ll.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)[2]
-                ll.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
-
-            result["us"] = {name: _median_us(step, args.iters) for name, step in (
-                ("low_latency_dispatch", dispatch), ("low_latency_combine", combine), ("ll pair", pair),
-                ("get_dispatch_layout", lambda: normal.get_dispatch_layout(topk_idx, args.experts)))}
-            result["profile"] = _profile(pair, args.iters, args.top)
+            steps = _steps(ll, normal, args)
+            result["plain"] = {name: _median_us(step, args.iters) for name, step in steps.items()}
+            result["profile"] = _profile(steps["ll pair"], args.iters, args.top)
+            # As DeepEP programs often run: torch's default device and dtype set globally.
+            torch.set_default_device("cpu")
+            torch.set_default_dtype(torch.bfloat16)
+            result["global defaults"] = {name: _median_us(step, args.iters) for name, step in steps.items()}
+            torch.set_default_device(None)
+            torch.set_default_dtype(torch.float32)
         dist.barrier(group=group)
         ll.destroy()
         normal.destroy()
@@ -117,8 +125,9 @@ def main() -> None:
     result = parallel_launch(2, probe_rank, args, backend="gloo", timeout_s=600.0)[0]
     print(f"host us per call, median of {args.iters} (stand-in kernels, CPU tensors; {args.tokens} tokens x "
           f"{args.hidden}, top-{args.topk} of {args.experts} experts, 2 ranks)")
-    for name, us in result["us"].items():
-        print(f"  {name:22s} {us:7.1f}")
+    print(f"  {'':22s} {'plain':>7s} {'global default device/dtype':>28s}")
+    for name, us in result["plain"].items():
+        print(f"  {name:22s} {us:7.1f} {result['global defaults'][name]:28.1f}")
     print(result["profile"])
 
 
