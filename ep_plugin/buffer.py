@@ -48,6 +48,16 @@ def buffer_device(group: dist.ProcessGroup, backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _only_device_modes() -> bool:
+    """Whether every active torch-function mode is a default-device one (DeviceContext)."""
+    # NOTE: the stack read entry by entry, as torch.overrides._get_current_function_mode_stack does
+    # without building its list: this runs in every call under set_default_device.
+    for depth in range(torch._C._len_torch_function_stack()):
+        if not isinstance(torch._C._get_function_stack_at(depth), DeviceContext):
+            return False
+    return True
+
+
 def _without_device_mode(method: Callable) -> Callable:
     """Run `method` without torch's default-device mode.
 
@@ -58,8 +68,7 @@ def _without_device_mode(method: Callable) -> Callable:
     """
     @functools.wraps(method)
     def call(*args, **kwargs):
-        if _function_mode_enabled() and all(
-                isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
+        if _function_mode_enabled() and _only_device_modes():
             with torch._C.DisableTorchFunction():
                 return method(*args, **kwargs)
         return method(*args, **kwargs)
