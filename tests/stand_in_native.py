@@ -1,8 +1,8 @@
-"""The native backend's host code on a machine without a GPU: its kernels replaced by stand-ins.
+"""The native backend's host code on the CPU (GPUs or not): its kernels replaced by stand-ins.
 
-`stand_in_kernels(runtime)` makes every `Buffer` created inside it a real `NativeBackend` (its own
-constructor and methods, CPU tensors) whose low-latency runtime is `runtime` and whose normal-mode
-runtime and layout kernel do nothing. Used by tests/test_low_latency_host.py (what the host code
+`stand_in_kernels(runtime)` makes every `Buffer` created inside it a CPU buffer over a real
+`NativeBackend` (its own constructor and methods) whose low-latency runtime is `runtime` and whose
+normal-mode runtime and layout kernel do nothing. Used by tests/test_low_latency_host.py (what the host code
 hands the kernels) and benchmarks/probes/host_overhead.py (what it costs).
 """
 from __future__ import annotations
@@ -77,6 +77,7 @@ def stand_in_kernels(runtime: StandInLowLatencyRuntime):
             mock.patch.object(torch.cuda, "synchronize"), \
             mock.patch.object(native_common, "_current_raw_stream", lambda device_index: 0), \
             mock.patch.object(intranode._C, "get_dispatch_layout", _no_layout_kernel), \
+            mock.patch.object(ep_plugin.buffer, "buffer_device", lambda group, backend: torch.device("cpu")), \
             mock.patch.object(ep_plugin.buffer, "select_backend",
                               lambda info, settings, nvl, rdma, low_latency: native.NativeBackend(
                                   info, settings, nvl, rdma, low_latency)):
