@@ -50,8 +50,8 @@ def buffer_device(group: dist.ProcessGroup, backend: str) -> torch.device:
 
 def _only_device_modes() -> bool:
     """Whether every active torch-function mode is a default-device one (DeviceContext)."""
-    # NOTE: the stack read entry by entry, as torch.overrides._get_current_function_mode_stack does
-    # without building its list: this runs in every call under set_default_device.
+    # NOTE: read in place (torch.overrides._get_current_function_mode_stack builds a list): this runs in
+    # every call under set_default_device.
     for depth in range(torch._C._len_torch_function_stack()):
         if not isinstance(torch._C._get_function_stack_at(depth), DeviceContext):
             return False
