@@ -308,6 +308,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     uint32_t unlanded = 0;
     if (is_source && pos >= 0)
       staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site, expired);
+    // NOTE: before any row is addressed (a row whose wait expired has no staged index); `expired` also
+    // holds the previous token's waits.
+    if (__any_sync(0xffffffffu, expired)) break;
     prefetch_rows(a, layout, region, pos, staged);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
@@ -375,7 +378,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
                        bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
     }
-    if (__any_sync(0xffffffffu, expired)) break;
     __syncwarp();
     // NOTE: with every row of the source in the first round of slots no slot is reused, so nobody
     // waits for the count (its atomic round trip is skipped).
