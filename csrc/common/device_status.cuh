@@ -79,7 +79,7 @@ class Deadline {
     return true;
   }
 
-  // Past the timeout: records, prints and traps (kernels that cannot leave: the NVSHMEM ones).
+  // Past the timeout: records, prints and traps (the NVSHMEM kernels: their process cannot recover anyway).
   __device__ __forceinline__ void check(int kind, int peer, int64_t expected, int64_t observed) const {
     if (global_timer_ns() - start_ > site_->timeout_ns) {
       report_timeout(site_->status, site_->claim, site_->op, kind, site_->rank, peer, site_->channel, site_->warp,
