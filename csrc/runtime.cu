@@ -154,7 +154,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int64_t num_nvl_byte
 void IntranodeRuntime::watch_for_device_errors() {
   while (!stop_watchdog_.load()) {
     if (status_host_->error_code != kErrNone) {
-      std::fprintf(stderr, "ep_plugin: a kernel stopped on rank %d: %s\n", rank_, describe_device_error().c_str());
+      std::fprintf(stderr, "ep_plugin: a kernel ended early on rank %d: %s\n", rank_, describe_device_error().c_str());
       std::fflush(stderr);
       return;
     }
@@ -360,9 +360,11 @@ std::string IntranodeRuntime::describe_device_error() const {
   return out.str();
 }
 
+// NOTE: the kernels leave on an error (they do not trap): the CUDA context stays usable, and every
+// later call of this runtime throws here before it launches anything.
 void IntranodeRuntime::check_device_error() const {
   if (status_host_ != nullptr && status_host_->error_code != kErrNone)
-    throw Error("ep_plugin: a kernel stopped on rank " + std::to_string(rank_) + ": " + describe_device_error());
+    throw Error("ep_plugin: a kernel ended early on rank " + std::to_string(rank_) + ": " + describe_device_error());
 }
 
 NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaStream_t stream) {

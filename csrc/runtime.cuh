@@ -80,7 +80,8 @@ class IntranodeRuntime {
 
   // Host wait for the notify published with `tag`; raises on bad input, device errors and timeout.
   NotifyResult wait_notify(int tag, int num_local_experts, cudaStream_t stream);
-  // Throws if a kernel of this rank recorded an error (timeout, bad input seen on the device).
+  // Throws if a kernel of this rank recorded an error (timeout, bad input seen on the device). The
+  // kernels then left early: the runtime is failed (its rings are not trusted) and every later call throws.
   void check_device_error() const;
 
  private:
@@ -93,8 +94,8 @@ class IntranodeRuntime {
   // The dispatch's runtime-owned fields (buffers, rank, status, timeout, tuning).
   void fill_dispatch_args(intranode::DispatchArgs& args) const;
   std::string describe_device_error() const;
-  // Prints a device error report to stderr as soon as a kernel records one, wherever the CUDA
-  // error later surfaces in the user's program.
+  // Prints a device error report to stderr as soon as a kernel records one (the kernels leave; the
+  // host raises at the next call of this runtime).
   void watch_for_device_errors();
 
   // ---- the copy-engine combine (staged_combine.cu) ----

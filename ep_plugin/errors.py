@@ -3,8 +3,10 @@
 Each names the rank that saw the failure, the peer(s) it waited for, the operation (a Buffer
 method's name: "dispatch", "combine", "get_dispatch_layout", "low_latency_dispatch",
 "low_latency_combine"), the step inside it and the seconds waited. `device_usable` says whether
-this process's CUDA context still works: False after a native kernel trapped (today every device
-timeout of the native kernels traps; the process must restart).
+this process's CUDA context still works: True after the intranode kernels (normal mode) end early
+on an error (the Buffer is then failed: every later call raises the same error; destroy it and create
+a new one), False after a low-latency or internode kernel trapped (the process must restart).
+`raises_structured_errors` keeps that failed state on a native backend (`failure`).
 
 The native extensions report device failures as text (`describe_device_error` in csrc/): the
 backends turn it into these errors with `native_errors` (or `structured_error`); `parse_native_error`
@@ -97,10 +99,16 @@ def _rebuild(cls, fields: dict) -> EpCommError:
     return cls(**fields)
 
 
+def _again(error: EpCommError) -> EpCommError:
+    """A fresh copy of `error` (raising one exception object again would chain its tracebacks)."""
+    return _rebuild(type(error), error._fields())
+
+
 # ---- the native extensions' reports --------------------------------------------------------------
-# Prefixes of `check_device_error` (csrc: IntranodeRuntime, LowLatencyRuntime, InternodeRuntime).
-_KERNEL_STOPPED = re.compile(r"ep_plugin: (?:a|a low-latency|an internode) kernel stopped on rank (?P<rank>-?\d+): "
-                             r"(?P<report>.*)", re.S)
+# Prefixes of `check_device_error` (csrc: IntranodeRuntime, LowLatencyRuntime, InternodeRuntime): a kernel
+# that "ended early" left with an error (the CUDA context works); one that "stopped" trapped.
+_KERNEL_STOPPED = re.compile(r"ep_plugin: (?:a|a low-latency|an internode) kernel (?P<how>stopped|ended early) on rank "
+                             r"(?P<rank>-?\d+): (?P<report>.*)", re.S)
 # `describe_device_error`'s timeout reports; what follows "peer N" names the channel, expert or token.
 _DEVICE_TIMEOUT = re.compile(
     r"timeout in (?P<op>.+?) after (?P<seconds>[-+0-9.eE]+) s: rank (?P<rank>-?\d+) waited for peer (?P<peer>-?\d+)"
@@ -137,8 +145,8 @@ def parse_native_error(message: str, operation: str = "") -> Optional[EpCommErro
 
     Timeouts (device or host) become `EpTimeoutError`; other device reports (an expert id out of
     range, ranks that disagree on a layout, too many tokens) an `EpCommError`. A report from a
-    stopped kernel means the CUDA context is stopped (`device_usable=False`). `operation` names the
-    Buffer method where the report does not.
+    stopped (trapped) kernel means the CUDA context is stopped (`device_usable=False`); from a kernel
+    that ended early, it works. `operation` names the Buffer method where the report does not.
     """
     stopped = _KERNEL_STOPPED.search(message)
     host = _HOST_NOTIFY_TIMEOUT.search(message)
@@ -149,15 +157,16 @@ def parse_native_error(message: str, operation: str = "") -> Optional[EpCommErro
     if not stopped:
         return None
     report = stopped["report"].strip()
+    usable = stopped["how"] == "ended early"
     timeout = _DEVICE_TIMEOUT.match(report)
     if timeout is None:
-        return EpCommError(int(stopped["rank"]), operation or "an ep_plugin kernel", report, device_usable=False)
+        return EpCommError(int(stopped["rank"]), operation or "an ep_plugin kernel", report, device_usable=usable)
     op, step = _native_operation(timeout["op"], timeout["wait"] or "")
     if timeout["token"] is not None:
         channel, kind, step = int(timeout["token"]), "token", step or "partial sums"
     else:
         channel, kind = int(timeout["channel"]), timeout["channel_kind"]
-    return EpTimeoutError(int(timeout["rank"]), op, report, (int(timeout["peer"]),), step, device_usable=False,
+    return EpTimeoutError(int(timeout["rank"]), op, report, (int(timeout["peer"]),), step, device_usable=usable,
                           seconds=float(timeout["seconds"]), channel=channel, channel_kind=kind)
 
 
@@ -172,6 +181,11 @@ def structured_error(error: BaseException, runtimes: Iterable[object] = (), oper
     parsed = parse_native_error(str(error), operation)
     if parsed is not None:
         return parsed
+    return device_failure(runtimes, operation) or error
+
+
+def device_failure(runtimes: Iterable[object], operation: str = "") -> Optional[EpCommError]:
+    """The structured report of the first runtime whose kernels recorded an error, else None."""
     for runtime in runtimes:
         try:
             runtime.check_device_error()
@@ -179,7 +193,7 @@ def structured_error(error: BaseException, runtimes: Iterable[object] = (), oper
             parsed = parse_native_error(str(report), operation)
             if parsed is not None:
                 return parsed
-    return error
+    return None
 
 
 @contextlib.contextmanager
@@ -213,10 +227,14 @@ def _translating(method, operation: str):
     hook_results = operation.startswith("low_latency_")
 
     def call(self, *args, **kwargs):
+        if self.failure is not None:
+            raise _again(self.failure)
         try:
             result = method(self, *args, **kwargs)
         except Exception as error:
             translated = structured_error(error, runtimes_of(self), operation)
+            if isinstance(translated, EpCommError):
+                self.failure = translated
             if translated is error:
                 raise
             raise translated from error
@@ -239,7 +257,14 @@ def _translating_hook(hook, runtimes: list, operation: str):
 
 def raises_structured_errors(cls):
     """Class decorator for a native backend: its kernel-running methods (and receive hooks) raise
-    `EpCommError`/`EpTimeoutError` where a runtime's device report explains a failure."""
+    `EpCommError`/`EpTimeoutError` where a runtime's device report explains a failure.
+
+    The first such error of a method fails the backend: it is kept in the instance's `failure` (None
+    while the backend works), and every later kernel-running method raises a copy of it before it runs
+    anything (the rings' counters are not trusted after a kernel ended early). Bad input (ValueError)
+    does not fail it.
+    """
+    cls.failure = None
     for operation in _BACKEND_OPERATIONS:
         method = cls.__dict__.get(operation)
         if method is not None:

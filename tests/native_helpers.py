@@ -331,10 +331,11 @@ def device_error_message(native, error: Exception) -> str:
 
 def missing_peer_scenario(native, rank: int, op: str, x, dispatch_kwargs: dict, absent_s: float) -> str:
     """Rank 1 never joins `op` ("dispatch", or "combine" or "cached_dispatch" after a dispatch every
-    rank finished).
+    rank finished), for kernels that trap on a timeout (internode mode's network leg).
 
     Returns "absent" on rank 1. Rank 0 must time out: it ends its process with the error text
-    (finish_rank: its CUDA context is stopped, so no tensor may be freed), else returns "no error".
+    (finish_rank: its CUDA context may be stopped, so no tensor may be freed), else returns "no error".
+    (The intranode kernels end early instead: tests/test_native_intranode.py checks that the rest recover.)
     """
     if op in ("combine", "cached_dispatch"):
         out = native.dispatch(x, **dispatch_kwargs)

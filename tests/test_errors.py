@@ -119,7 +119,8 @@ def test_intranode_device_timeouts_parse_to_every_field():
         assert (error.rank, error.peers, error.seconds, error.channel, error.channel_kind) == (0, (1,), 2.5, 3,
                                                                                              "channel"), message
         assert error.operation in ("dispatch", "combine", "get_dispatch_layout") and error.step, message
-        assert error.device_usable is False
+        assert error.device_usable is True  # the intranode kernels end early: no trap
+        assert "restart the process" not in str(error)
         assert "peer 1" in str(error) and "2.5 s" in str(error) and "expected 7, observed 2" in str(error)
     notify = parse_native_error(rendered_timeouts("IntranodeRuntime", ["dispatch (notify step)"], waits[:1])[0])
     assert (notify.operation, notify.step) == ("dispatch", "notify")
@@ -133,6 +134,7 @@ def test_low_latency_device_timeouts_parse_to_every_field():
         assert isinstance(error, EpTimeoutError), message
         assert (error.rank, error.peer, error.seconds, error.channel) == (0, 1, 2.5, 3), message
         assert error.operation.startswith("low_latency_") and error.step, message
+        assert error.device_usable is False and "restart the process" in str(error)  # NVSHMEM kernels trap
         kinds.add(error.channel_kind)
     assert kinds == {"expert", "token"}  # per-expert messages; expert-side partial sums per token
 
@@ -161,8 +163,10 @@ def test_host_notify_timeouts_parse():
 def test_other_device_reports_are_comm_errors_and_plain_errors_pass_through():
     report = stopped_prefix("IntranodeRuntime", "rank 1 passed an expert id out of range (token 3, id 99)")
     error = parse_native_error(report, "dispatch")
-    assert type(error) is EpCommError and error.operation == "dispatch" and not error.device_usable
+    assert type(error) is EpCommError and error.operation == "dispatch" and error.device_usable
     assert "expert id out of range" in str(error)
+    trapped = parse_native_error(stopped_prefix("InternodeRuntime", "device error code 7"), "combine")
+    assert type(trapped) is EpCommError and not trapped.device_usable
     assert parse_native_error("CUDA error: out of memory") is None
     plain = ValueError("x must be bf16")
     assert structured_error(plain) is plain
@@ -218,3 +222,110 @@ def test_errors_survive_pickling():
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.rank, copy.peers, copy.step, copy.seconds, str(copy)) == (2, (0, 3), "counts", 4.0, str(error))
     assert "peers 0, 3" in str(copy)
+
+
+# ---- a failed backend ---------------------------------------------------------------------------
+class _FakeRuntime:
+    """Stands in for a native runtime: `check_device_error` raises the rendered report once `report` is set
+    (the device's record in host-mapped memory), as IntranodeRuntime does before each launch."""
+
+    def __init__(self) -> None:
+        self.report = ""
+        self.destroyed = False
+
+    def check_device_error(self) -> None:
+        if self.report:
+            raise RuntimeError(self.report)
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def intranode_timeout_report() -> str:
+    """IntranodeRuntime's report of rank 0's combine that waited for peer 1."""
+    return rendered_timeouts("IntranodeRuntime", ["combine"], switch_names("wait_name")[:1])[0]
+
+
+@raises_structured_errors
+class _FakeBackend:
+    """A native backend's kernel-running methods over a _FakeRuntime; `calls` counts the bodies that ran."""
+
+    def __init__(self) -> None:
+        self._runtime = _FakeRuntime()
+        self.calls = 0
+
+    def _launch(self) -> str:
+        self.calls += 1
+        self._runtime.check_device_error()
+        return "launched"
+
+    def dispatch(self):
+        return self._launch()
+
+    def combine(self):
+        return self._launch()
+
+    def get_dispatch_layout(self):
+        return self._launch()
+
+    def low_latency_dispatch(self):
+        self.calls += 1
+        return "no runtime check"
+
+    def cached_dispatch(self, bad: bool):
+        self.calls += 1
+        if bad:
+            raise ValueError("x must be bf16")
+        return "launched"
+
+
+def test_a_kernel_that_ended_early_fails_the_backend_and_every_later_call_raises_its_error():
+    backend = _FakeBackend()
+    assert backend.failure is None and backend.dispatch() == "launched"
+    backend._runtime.report = intranode_timeout_report()  # a kernel of the call above ended early
+    with pytest.raises(EpTimeoutError) as first:
+        backend.combine()
+    error = first.value
+    assert (error.rank, error.peer, error.operation, error.device_usable) == (0, 1, "combine", True)
+    assert backend.failure is not None and str(backend.failure) == str(error)
+    calls = backend.calls
+    for method in (backend.dispatch, backend.combine, backend.get_dispatch_layout, backend.low_latency_dispatch,
+                   lambda: backend.cached_dispatch(False)):
+        with pytest.raises(EpTimeoutError) as later:
+            method()
+        assert str(later.value) == str(error) and later.value is not error
+        assert later.value.device_usable and later.value.seconds == error.seconds
+    assert backend.calls == calls  # no method body ran (no kernel is launched on a failed Buffer)
+
+
+def test_bad_input_does_not_fail_the_backend():
+    backend = _FakeBackend()
+    with pytest.raises(ValueError, match="bf16"):
+        backend.cached_dispatch(True)
+    assert backend.failure is None and backend.cached_dispatch(False) == "launched"
+
+
+def test_destroying_a_failed_native_backend_waits_for_no_peer(monkeypatch):
+    from types import SimpleNamespace
+
+    from ep_plugin.backends import native
+
+    barriers = []
+    monkeypatch.setattr(native.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(native.dist, "barrier", lambda group=None: barriers.append(group))
+
+    def backend_with(report: str):
+        backend = object.__new__(native.NativeBackend)
+        backend.info = SimpleNamespace(device="cuda:0", group="the group")
+        backend._runtime, backend._net, backend._ll = _FakeRuntime(), None, None
+        backend._runtime.report = report
+        return backend
+
+    healthy = backend_with("")
+    healthy.destroy(collective=True)
+    assert barriers == ["the group"] and healthy._runtime.destroyed and healthy.failure is None
+    # The device recorded an error that no call has raised yet: destroy finds it and skips the barrier.
+    failed = backend_with(intranode_timeout_report())
+    failed.destroy(collective=True)
+    assert barriers == ["the group"] and failed._runtime.destroyed
+    assert isinstance(failed.failure, EpTimeoutError) and failed.failure.peer == 1

@@ -85,6 +85,15 @@ class WarpBulkRows {
     }
   }
 
+  // Before the warp leaves at row k without copying it (an error): waits for the loads issued for rows
+  // from k on and for every store, so that no bulk copy outlives the block. Warp-collective.
+  __device__ void drain(int k) {
+    for (int item = k * pieces_; item < issued_; ++item)
+      while (!mbarrier_try_wait(&bars_[item % kBulkStages], (item / kBulkStages) & 1)) {
+      }
+    bulk_wait_all();
+  }
+
  private:
   __device__ int bytes_of(int piece) const { return min(piece_bytes_, row_bytes_ - piece * piece_bytes_); }
 

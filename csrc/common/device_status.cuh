@@ -1,8 +1,9 @@
 // Device-side error reporting and timeouts.
 //
 // Every device spin-wait goes through `Deadline`: past the configured timeout it records rank,
-// peer, channel and warp here, prints them, and traps. The host reads the record to raise a Python
-// error that names the same facts instead of hanging.
+// peer, channel and warp here and prints them. The intranode kernels then leave (`expired`): every
+// other wait of this rank stops once the error is claimed, and the host raises from the record. The
+// NVSHMEM kernels (low-latency, internode) trap instead (`check`): see docs/faults.md.
 #pragma once
 
 #include <cstdint>
@@ -32,14 +33,18 @@ __device__ __noinline__ inline void record_error(DeviceStatus* status, int* clai
   }
 }
 
-__device__ __noinline__ inline void trap_timeout(DeviceStatus* status, int* claim, int op, int kind, int rank,
-                                                 int peer, int channel, int warp, int64_t expected,
-                                                 int64_t observed) {
+__device__ __noinline__ inline void report_timeout(DeviceStatus* status, int* claim, int op, int kind, int rank,
+                                                   int peer, int channel, int warp, int64_t expected,
+                                                   int64_t observed) {
   record_error(status, claim, kErrTimeout, op, kind, rank, peer, channel, warp, expected, observed);
   printf("ep_plugin: device timeout (op %d, wait %d): rank %d waited for peer %d, channel %d, warp %d "
          "(expected %lld, observed %lld)\n",
          op, kind, rank, peer, channel, warp, static_cast<long long>(expected), static_cast<long long>(observed));
-  asm volatile("trap;");
+}
+
+// Whether a kernel of this rank has recorded an error (its claim word is set).
+__device__ __forceinline__ bool error_claimed(const int* claim) {
+  return *reinterpret_cast<const volatile int*>(claim) != 0;
 }
 
 // Where a wait happens, for the report.
@@ -53,22 +58,40 @@ struct WaitSite {
   int warp;
 };
 
-// A spin-wait budget: call `check` inside the loop, `restart` after progress.
+// Spins between two reads of the claim word in `Deadline::expired`: a wait notices another wait's error
+// within this many spins, and a wait that is answered soon reads no more than it did without the check.
+constexpr uint32_t kSpinsPerClaimRead = 64;
+
+// A spin-wait budget: call `expired` (or `check`) inside the loop, `restart` after progress.
 class Deadline {
  public:
   __device__ __forceinline__ explicit Deadline(const WaitSite& site) : site_(&site), start_(global_timer_ns()) {}
 
   __device__ __forceinline__ void restart() { start_ = global_timer_ns(); }
 
-  __device__ __forceinline__ void check(int kind, int peer, int64_t expected, int64_t observed) const {
-    if (global_timer_ns() - start_ > site_->timeout_ns)
-      trap_timeout(site_->status, site_->claim, site_->op, kind, site_->rank, peer, site_->channel, site_->warp,
+  // Whether the wait must end without its signal: its timeout passed (recorded and printed here), or
+  // another wait of this rank recorded an error. The caller then leaves with its outputs undefined.
+  __device__ __forceinline__ bool expired(int kind, int peer, int64_t expected, int64_t observed) {
+    if (++spins_ % kSpinsPerClaimRead == 0 && error_claimed(site_->claim)) return true;
+    if (global_timer_ns() - start_ <= site_->timeout_ns) return false;
+    report_timeout(site_->status, site_->claim, site_->op, kind, site_->rank, peer, site_->channel, site_->warp,
                    expected, observed);
+    return true;
+  }
+
+  // Past the timeout: records, prints and traps (the NVSHMEM kernels: their process cannot recover anyway).
+  __device__ __forceinline__ void check(int kind, int peer, int64_t expected, int64_t observed) const {
+    if (global_timer_ns() - start_ > site_->timeout_ns) {
+      report_timeout(site_->status, site_->claim, site_->op, kind, site_->rank, peer, site_->channel, site_->warp,
+                     expected, observed);
+      asm volatile("trap;");
+    }
   }
 
  private:
   const WaitSite* site_;
   uint64_t start_;
+  uint32_t spins_ = 0;
 };
 
 }  // namespace ep_plugin

@@ -115,6 +115,7 @@ struct SenderRows<false> {
   __device__ void skip(int, const Tokens&) {}
   __device__ void after_slot_freed() {}
   __device__ void complete() {}
+  __device__ void drain(int) {}
 };
 
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
@@ -138,6 +139,8 @@ struct SenderRows<true> {
   __device__ void after_slot_freed() { fence_proxy_async(); }
   // Before a release that publishes this lane's rows, and before the kernel ends.
   __device__ void complete() { bulk_wait_all(); }
+  // Before the warp leaves at its k-th row without copying it (an error).
+  __device__ void drain(int k) { rows.drain(k); }
   WarpBulkRows rows;
 };
 #endif

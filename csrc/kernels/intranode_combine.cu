@@ -7,6 +7,8 @@
 // rank r sends back, in token order, exactly the rows of the tokens that owner warp w handles, into
 // the sub-ring (c, w) that owner warp consumes; so the owner finds the copy of its next token from
 // rank r in the next slot of that ring. The owner's own copy is read straight from its input `x`.
+// A wait that expires (Deadline::expired) ends its lane's or warp's part; every warp still reaches the
+// block's end (finish_operation), and the outputs are undefined.
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
 #include "api.cuh"
@@ -66,6 +68,7 @@ __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, H
   }
 
   Deadline deadline(site);
+  bool expired = false;
   while (__any_sync(0xffffffffu, cursor < last)) {
     bool progressed = false;
     for (int owner = 0; owner < R; ++owner) {
@@ -99,20 +102,21 @@ __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, H
     }
     if (progressed) {
       deadline.restart();
-    } else if (cursor < last) {
-      deadline.check(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed);
+    } else if (cursor < last && deadline.expired(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed)) {
+      expired = true;
+      last = cursor;  // this lane's owner gets no more rows
     }
   }
 
   // Final count to each owner, then wait until everything sent was consumed (see dispatch).
-  if (owns_ring) {
+  if (owns_ring && !expired) {
     st_release_sys(remote_tail, pack_counter(epoch, sent, true));
     Deadline drain(site);
     while (true) {
       const uint64_t word = ld_acquire_sys(head);
       if (counter_epoch(word) == epoch) consumed = counter_count(word);
       if (consumed == sent && counter_epoch(word) == epoch) break;
-      drain.check(kWaitDrain, lane, sent, consumed);
+      if (drain.expired(kWaitDrain, lane, sent, consumed)) break;
     }
   }
 }
@@ -146,6 +150,7 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
     const uint32_t src_mask = __ballot_sync(0xffffffffu, pos >= 0);
 
     // Wait until each remote copy of this token has arrived.
+    bool expired = false;
     if (owns_ring && pos >= 0 && available <= consumed) {
       if (published != consumed) st_release_sys(remote_head, pack_counter(epoch, published = consumed, false));
       Deadline deadline(site);
@@ -153,9 +158,10 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
         const uint64_t word = ld_acquire_sys(tail);
         if (counter_epoch(word) == epoch) available = counter_count(word);
         if (available > consumed) break;
-        deadline.check(kWaitData, lane, consumed + 1, available);
+        if ((expired = deadline.expired(kWaitData, lane, consumed + 1, available))) break;
       }
     }
+    if (__any_sync(0xffffffffu, expired)) return;
     // NOTE: orders the owners' acquire loads before every lane's reads of the slots.
     __syncwarp();
 
@@ -198,14 +204,18 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_kernel(CombineArgs args) {
   Header* me = header_of(args.peer_buffers, args.rank);
+  // An earlier kernel of this rank failed: its rings are not to be trusted (see dispatch_kernel).
+  const bool rank_failed = __any_sync(0xffffffffu, error_claimed(&me->error_claim));
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
   const int warp = threadIdx.x >> 5;
   const RingLayout layout{args.num_ranks, args.num_channels, slots_per_sub_ring(args.recv_tokens_per_channel),
                           slot_bytes_for(static_cast<int64_t>(args.hidden) * 2)};
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpCombine, args.rank, channel, warp};
-  if ((blockIdx.x & 1) == 0) combine_sender(args, layout, me, epoch, channel, warp, site);
-  else combine_receiver(args, layout, me, epoch, channel, warp, site);
+  if (!rank_failed) {
+    if ((blockIdx.x & 1) == 0) combine_sender(args, layout, me, epoch, channel, warp, site);
+    else combine_receiver(args, layout, me, epoch, channel, warp, site);
+  }
   finish_operation(me, epoch);
 }
 

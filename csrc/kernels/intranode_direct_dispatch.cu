@@ -11,6 +11,9 @@
 //   after it moves the rows instead (outputs anywhere). That launch overlaps this kernel's end.
 // - The last block out tells every rank that this rank's rows are written (direct_done), then waits
 //   until every rank's rows are here: the outputs are complete when the kernel ends.
+// - On an error (a wait that expires, or an earlier kernel of this rank that failed) a block ends as
+//   on a fallback, before any row moves; the ring kernel after it then sees the error and ends too.
+//   Past the handshake, a wait that expires only ends the wait: the outputs are undefined.
 // - Grid: num_channels * 2 blocks, at most direct_max_blocks. Each warp takes chunks of
 //   direct_chunk_tokens tokens, one at a time from a counter (ClaimedTokens), and writes each row to
 //   every rank that has it, this rank included.
@@ -48,10 +51,13 @@ __device__ __forceinline__ T* output_at(void* base, uint64_t offset) {
 constexpr uint32_t kHasRoom = 1;
 
 // Thread r < R: tells rank r where this rank's outputs are, then waits for rank r's word (rank r
-// has entered the call) and returns its outputs and whether they are in rank r's region.
+// has entered the call) and returns its outputs and whether they are in rank r's region. On an error
+// (this rank's claim word is set, or the wait expires) `peer_has_room` is false and the outputs unset.
 __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint32_t epoch, const WaitSite& site,
                                         bool& peer_has_room) {
   const int r = threadIdx.x;
+  peer_has_room = false;
+  if (error_claimed(&me->error_claim)) return PeerOutputs{};
   const void* own_base = a.peer_buffers[a.rank];
   Header* peer = header_of(a.peer_buffers, r);
   DirectOutputs& mine = peer->direct_outputs[a.rank];
@@ -67,7 +73,7 @@ __device__ PeerOutputs exchange_outputs(const DispatchArgs& a, Header* me, uint3
   while (true) {
     ready = ld_acquire_sys(&me->direct_ready[r]);
     if (counter_epoch(ready) == epoch) break;
-    deadline.check(kWaitPeerOutputs, r, epoch, counter_epoch(ready));
+    if (deadline.expired(kWaitPeerOutputs, r, epoch, counter_epoch(ready))) return PeerOutputs{};
   }
   peer_has_room = (counter_count(ready) & kHasRoom) != 0;
   // NOTE: strong (relaxed, system-scope) loads, so that no word of an earlier call's outputs comes from a
@@ -217,11 +223,14 @@ __device__ __forceinline__ bool epoch_reached(uint64_t word, uint32_t epoch) {
   return static_cast<int32_t>(counter_epoch(word) - epoch) >= 0;
 }
 
-// One thread waits until `word` (written by `source`) carries this call's epoch or a later one.
-__device__ void wait_for_word(const uint64_t* word, uint32_t epoch, int source, int kind, const WaitSite& site) {
+// One thread waits until `word` (written by `source`) carries this call's epoch or a later one; false
+// if the wait expired.
+__device__ bool wait_for_word(const uint64_t* word, uint32_t epoch, int source, int kind, const WaitSite& site) {
   Deadline deadline(site);
   uint64_t value;
-  while (!epoch_reached(value = ld_acquire_sys(word), epoch)) deadline.check(kind, source, epoch, counter_epoch(value));
+  while (!epoch_reached(value = ld_acquire_sys(word), epoch))
+    if (deadline.expired(kind, source, epoch, counter_epoch(value))) return false;
+  return true;
 }
 
 // After every block's writes: the last block out tells each rank that this rank's rows are all
@@ -247,7 +256,8 @@ __device__ void finish_direct(const DispatchArgs& a, Header* me, uint32_t epoch,
   for (int r = 0; r < a.num_ranks; ++r)
     st_release_sys(&header_of(a.peer_buffers, r)->direct_done[a.rank], pack_counter(epoch, 0, true));
   // NOTE: a peer already in its next call has written a later epoch.
-  for (int r = 0; r < a.num_ranks; ++r) wait_for_word(&me->direct_done[r], epoch, r, kWaitPeerRows, site);
+  for (int r = 0; r < a.num_ranks; ++r)
+    if (!wait_for_word(&me->direct_done[r], epoch, r, kWaitPeerRows, site)) return;
   me->op_epoch = epoch;
   __threadfence();
 }
@@ -268,7 +278,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
   // NOTE: read by the ring kernel launched after this one, once this kernel has ended (it waits for
   // that with griddepcontrol.wait); it runs on a fallback.
   if (blockIdx.x == 0 && threadIdx.x == 0) me->direct_fell_back = every_rank_has_room ? 0u : 1u;
-  if (!every_rank_has_room) return;  // the ring kernel moves the rows
+  if (!every_rank_has_room) return;  // the ring kernel moves the rows (or, on an error, ends)
   mark_padding_rows(args, blockIdx.x, gridDim.x);
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
   if (args.bulk_rows) direct_sender<true>(args, outputs, me, shared);

@@ -9,6 +9,8 @@
 // straight into recv_x. Rows come from notify's send_pos, so receivers need no ordering.
 // On sm_90 on, a sender warp moves its rows by bulk copies through shared memory (WarpBulkRows), the
 // next rows' loads in flight while a row is stored; metadata, scales and top-k go by plain stores.
+// A wait that expires (Deadline::expired) ends its warp's part; every warp still reaches the block's
+// end (finish_operation), and the outputs are undefined.
 #include "../common/bulk_rows.cuh"
 #include "../common/exception.cuh"
 #include "api.cuh"
@@ -66,6 +68,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
 
     // Reserve the next slot of each remote ring (wait while the ring is full).
     uint8_t* slot = nullptr;
+    bool expired = false;
     if (owns_ring && pos >= 0) {
       if (sent - consumed >= static_cast<uint32_t>(layout.slots)) {
         if (published != sent) {
@@ -77,11 +80,15 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
           const uint64_t word = ld_acquire_sys(head);
           if (counter_epoch(word) == epoch) consumed = counter_count(word);
           if (sent - consumed < static_cast<uint32_t>(layout.slots)) break;
-          deadline.check(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed);
+          if ((expired = deadline.expired(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed))) break;
         }
         rows.after_slot_freed();
       }
       slot = ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes;
+    }
+    if (__any_sync(0xffffffffu, expired)) {
+      rows.drain(round);
+      return;
     }
 
     // Destinations: this rank's recv_x row, and each remote slot's payload.
@@ -158,7 +165,7 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
       const uint64_t word = ld_acquire_sys(head);
       if (counter_epoch(word) == epoch) consumed = counter_count(word);
       if (consumed == sent && counter_epoch(word) == epoch) break;
-      deadline.check(kWaitDrain, lane, sent, consumed);
+      if (deadline.expired(kWaitDrain, lane, sent, consumed)) break;
     }
   }
   __syncwarp();
@@ -235,7 +242,7 @@ __device__ void dispatch_receiver(const DispatchArgs& a, const RingLayout& layou
     if (any_progress) {
       deadline.restart();
     } else if (!finished) {
-      deadline.check(kWaitData, lane, consumed + 1, available);
+      finished = deadline.expired(kWaitData, lane, consumed + 1, available);
     }
   }
 }
@@ -249,6 +256,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
     wait_for_prerequisites();
     if (me->direct_fell_back == 0) return;
   }
+  // An earlier kernel of this rank failed: its inputs (send_pos, the rings) are not to be trusted.
+  // NOTE: decided per warp (a kernel on another stream may claim an error meanwhile); every warp still
+  // reaches finish_operation's barrier.
+  const bool rank_failed = __any_sync(0xffffffffu, error_claimed(&me->error_claim));
   const uint32_t epoch = me->op_epoch + 1;
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -258,15 +269,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_kernel(DispatchA
                           slot_bytes_for(payload_bytes)};
   const WaitSite site{args.status, &me->error_claim, args.timeout_ns, kOpDispatch, args.rank, channel, warp};
 
-  if (is_sender) {
+  if (!rank_failed) {
+    if (is_sender) {
 #ifdef EP_PLUGIN_HAS_BULK_COPIES
-    if (args.bulk_rows) dispatch_sender<true>(args, layout, me, epoch, channel, warp, site, shared);
-    else
+      if (args.bulk_rows) dispatch_sender<true>(args, layout, me, epoch, channel, warp, site, shared);
+      else
 #endif
-      dispatch_sender<false>(args, layout, me, epoch, channel, warp, site, shared);
-  } else {
-    mark_padding_rows(args, channel, args.num_channels);
-    dispatch_receiver(args, layout, me, epoch, channel, warp, site);
+        dispatch_sender<false>(args, layout, me, epoch, channel, warp, site, shared);
+    } else {
+      mark_padding_rows(args, channel, args.num_channels);
+      dispatch_receiver(args, layout, me, epoch, channel, warp, site);
+    }
   }
   finish_operation(me, epoch);
 }

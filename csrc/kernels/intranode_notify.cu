@@ -7,6 +7,8 @@
 //   send_pos[t][r]         row of this rank's token t on rank r (or -1)
 //   per-expert receive counts and the received-token total (for the host, or checked on device).
 // Notify areas are double-buffered by epoch parity: a peer can be at most one notify ahead.
+// On an error (a timed-out wait; in graph mode also bad input) the kernel records it and leaves, as
+// it does when an earlier kernel of this rank failed: its outputs are then undefined.
 #include <climits>
 
 #include "../common/exception.cuh"
@@ -29,6 +31,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __shared__ int running_base[kMaxNvlPeers];
   __shared__ int bad_rank;
   __shared__ int other_layout_rank;  // the first rank whose row layout differs from this rank's (-1: none)
+  __shared__ bool failed;            // this rank has recorded an error: every thread leaves
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int R = args.num_ranks;
@@ -40,9 +43,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     first_bad_entry = INT_MAX;
     bad_rank = -1;
     other_layout_rank = -1;
+    failed = error_claimed(&me->error_claim);
   }
   if (tid < kMaxNvlPeers) token_counts[tid] = 0, running_base[tid] = 0;
   __syncthreads();
+  if (failed) return;
 
   // 1. Check expert ids; count tokens per destination rank.
   int counts[kMaxNvlPeers] = {};
@@ -86,16 +91,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __syncthreads();
 
   // 3. Barrier: signal every rank, wait for every rank's signal.
+  bool expired = false;
   if (tid < R) {
     st_release_sys(&header_of(args.peer_buffers, tid)->notify_signal[args.rank], epoch);
     Deadline deadline(site);
     while (true) {
       const uint64_t seen = ld_acquire_sys(&me->notify_signal[tid]);
       if (seen >= epoch) break;
-      deadline.check(kWaitBarrier, tid, epoch, static_cast<int64_t>(seen));
+      if ((expired = deadline.expired(kWaitBarrier, tid, epoch, static_cast<int64_t>(seen)))) break;
     }
   }
-  __syncthreads();
+  if (__syncthreads_or(expired)) return;
 
   // 4. Offsets from the full count matrix.
   const NotifyBlock* blocks = me->notify[parity];
@@ -124,20 +130,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
                        args.num_worst_tokens, total);
           printf("ep_plugin: rank %d receives %d tokens, more than num_worst_tokens = %d\n", r, total,
                  args.num_worst_tokens);
-          asm volatile("trap;");
+          failed = true;
+          break;
         }
       }
     }
-    if (bad_rank >= 0 && args.host_tag == 0) {
+    if (!failed && bad_rank >= 0 && args.host_tag == 0) {
       const NotifyBlock& bad = blocks[bad_rank];
       record_error(args.status, &me->error_claim, kErrBadExpertId, kOpNotify, 0, args.rank, bad_rank, -1, -1,
                    bad.bad_input_detail[0], bad.bad_input_detail[2]);
       printf("ep_plugin: rank %d: topk_idx[%lld, %lld] = %lld is not an expert id in [-1, %d)\n", bad_rank,
              static_cast<long long>(bad.bad_input_detail[0]), static_cast<long long>(bad.bad_input_detail[1]),
              static_cast<long long>(bad.bad_input_detail[2]), args.num_experts);
-      asm volatile("trap;");
+      failed = true;
     }
-    if (other_layout_rank >= 0 && args.host_tag == 0) {
+    if (!failed && other_layout_rank >= 0 && args.host_tag == 0) {
       const int64_t theirs = blocks[other_layout_rank].row_layout;
       record_error(args.status, &me->error_claim, kErrLayoutMismatch, kOpNotify, 0, args.rank, other_layout_rank, -1,
                    -1, args.row_layout, theirs);
@@ -146,10 +153,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
              row_layout_topk(args.row_layout), row_layout_weights(args.row_layout) ? " with weights" : "",
              other_layout_rank, row_layout_bytes(theirs), row_layout_scales(theirs), row_layout_topk(theirs),
              row_layout_weights(theirs) ? " with weights" : "");
-      asm volatile("trap;");
+      failed = true;
     }
   }
   __syncthreads();
+  if (failed) return;
 
   // 5. Per-expert receive counts, aligned (host mode only: the host builds the Python list).
   if (args.host_tag > 0) {

@@ -9,7 +9,8 @@
 // they land (see kUnlandedWord), and frees a piece's staging slot for its sender once every row of
 // it is summed. After the kernel, the host refills the area with unlanded bytes and then tells every
 // sender that o has released it. Every progress word is written where its waiter polls it, so no
-// wait reads across NVLink.
+// wait reads across NVLink. A wait that expires (Deadline::expired) sets its lane's `expired`: the
+// warp then ends its tokens, the outputs undefined; a block whose sender side fails ends at once.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -19,14 +20,15 @@
 namespace ep_plugin::intranode {
 namespace {
 
-// Lane `peer` waits until `word` carries this epoch and returns its value.
-__device__ __forceinline__ uint32_t wait_for_epoch(const uint64_t* word, uint32_t epoch, int peer, int kind,
-                                                   const WaitSite& site) {
+// Lane `peer` waits until `word` carries this epoch and sets `count` to its count; false if the wait expired.
+__device__ __forceinline__ bool wait_for_epoch(const uint64_t* word, uint32_t epoch, int peer, int kind,
+                                               const WaitSite& site, uint32_t& count) {
   Deadline deadline(site);
   while (true) {
     const uint64_t value = ld_acquire_sys(word);
-    if (counter_epoch(value) == epoch) return static_cast<uint32_t>(value);
-    deadline.check(kind, peer, epoch, counter_epoch(value));
+    count = static_cast<uint32_t>(value);
+    if (counter_epoch(value) == epoch) return true;
+    if (deadline.expired(kind, peer, epoch, counter_epoch(value))) return false;
   }
 }
 
@@ -51,23 +53,27 @@ __device__ __forceinline__ Landing landing_of(const StagedReduceArgs& a, const H
 }
 
 // Re-reads a staged unit (int4) or weight (float) until no word of it is unlanded or its row is
-// reported landed.
+// reported landed (if the wait expires: sets `expired` and returns what it read).
 // NOTE: the acquire comes before the re-read, so a read after the report sees the landed bytes.
 template <typename T>
-__device__ __forceinline__ T wait_for_landed(const T* at, Landing landing, const WaitSite& site) {
+__device__ __forceinline__ T wait_for_landed(const T* at, Landing landing, const WaitSite& site, bool& expired) {
   Deadline deadline(site);
   while (true) {
     const bool reported = landing.reported();
     const T value = load_staged(at);
     if (reported || !has_unlanded_word(value)) return value;
-    deadline.check(kWaitStagedRows, landing.source, landing.count, 0);
+    if (deadline.expired(kWaitStagedRows, landing.source, landing.count, 0)) {
+      expired = true;
+      return value;
+    }
   }
 }
 
 // One warp waits until every unit of a staged row has landed (the general path reads the row again to sum it).
-__device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site) {
-  for (int i = lane_id(); i < num_units; i += 32)
-    if (has_unlanded_word(load_staged(row + i))) wait_for_landed(row + i, landing, site);
+__device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site,
+                                             bool& expired) {
+  for (int i = lane_id(); i < num_units && !expired; i += 32)
+    if (has_unlanded_word(load_staged(row + i))) wait_for_landed(row + i, landing, site, expired);
 }
 
 // The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
@@ -79,7 +85,7 @@ __device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Lan
 constexpr int kPairUnroll = 8;
 
 __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* staged, Landing landing, int num_units,
-                                                   int4* out, const WaitSite& site) {
+                                                   int4* out, const WaitSite& site, bool& expired) {
   const int lane = lane_id();
   for (int base = 0; base < num_units; base += 32 * kPairUnroll) {
     int4 a[kPairUnroll], b[kPairUnroll];
@@ -97,7 +103,7 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* 
       float acc[8] = {};
       if (own != nullptr) add_bf16x8(acc, a[u]);
       if (staged != nullptr) {
-        if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_landed(staged + i, landing, site);
+        if (!landing.known() && has_unlanded_word(b[u])) b[u] = wait_for_landed(staged + i, landing, site, expired);
         add_bf16x8(acc, b[u]);
       }
       st_na_v4(out + i, to_bf16x8(acc));
@@ -123,16 +129,22 @@ struct SourceState {
 
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`;
 // sets `piece`, `weights_index` (where the row's top-k weights are) and `unlanded` (the landed count
-// that reports the row, 0 when it is known to have landed).
+// that reports the row, 0 when it is known to have landed). -1 with `expired` set if a wait expired.
 // Rows of the first round of slots are read early (see kUnlandedWord). A later piece reuses a slot
 // whose earlier rows other warps may still be summing, so its rows are read once reported landed.
 __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
                                                    const Header* me, SourceState& state, int source, int pos,
                                                    int& piece, int64_t& weights_index, uint32_t& unlanded,
-                                                   const WaitSite& site) {
+                                                   const WaitSite& site, bool& expired) {
   if (!state.known) {
-    state.rows = static_cast<int>(wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site));
-    state.base = static_cast<int>(wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site));
+    uint32_t rows, base;
+    if (!wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site, rows) ||
+        !wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site, base)) {
+      expired = true;
+      return -1;
+    }
+    state.rows = static_cast<int>(rows);
+    state.base = static_cast<int>(base);
     state.known = true;
   }
   const int index = pos - state.base;
@@ -147,8 +159,13 @@ __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, co
       const uint64_t target = staged_word(a.epoch, static_cast<uint32_t>(index + 1));
       Deadline deadline(site);
       uint64_t value;
-      while ((value = ld_acquire_sys(&me->staged_landed[source])) < target)
-        deadline.check(kWaitStagedRows, source, index + 1, counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0);
+      while ((value = ld_acquire_sys(&me->staged_landed[source])) < target) {
+        if (deadline.expired(kWaitStagedRows, source, index + 1,
+                             counter_epoch(value) == a.epoch ? static_cast<uint32_t>(value) : 0)) {
+          expired = true;
+          return -1;
+        }
+      }
       state.landed = static_cast<int>(static_cast<uint32_t>(value));
     }
   }
@@ -178,7 +195,7 @@ template <int kSources>
 __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, const Header* me,
                                                     const float* const (&weights)[kSources],
                                                     const uint32_t (&unlanded)[kSources], uint32_t by_kernel,
-                                                    const WaitSite& site) {
+                                                    const WaitSite& site, bool& expired) {
   const int lane = lane_id();
   float sum = 0.f;
 #pragma unroll
@@ -193,7 +210,7 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
     const bool stored = (by_kernel >> r) & 1u;
     if ((stored || unlanded[r] != 0) && has_unlanded_word(value))
       value = wait_for_landed(weight, stored ? Landing{&me->staged_weights_landed[r], a.epoch, 1u, r}
-                                             : landing_of(a, me, r, unlanded[r]), site);
+                                             : landing_of(a, me, r, unlanded[r]), site, expired);
     sum += value;
   }
   return sum;
@@ -204,18 +221,20 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
 // it where this rank's rows start and how many there are, and every block stores its share of the top-k
 // weights for it; the last block done sets the owner's weights-landed word. The weights then need no copy
 // of their own ahead of the rows on the copy stream.
-__device__ void send_to_owners(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
+// False (in every thread of the block) on an error: an earlier kernel of this rank failed, or a wait expired.
+__device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
                                const WaitSite& site) {
+  bool failed = threadIdx.x == 0 && error_claimed(&me->error_claim);
   for (int owner = 0; owner < a.num_ranks; ++owner) {
     if (owner == a.rank) continue;
     const int rows = a.send_rows[owner];
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !failed) {
       Deadline deadline(site);
       uint64_t value;
       while ((value = ld_acquire_sys(&me->staged_released[owner])) < a.epoch - 1)
-        deadline.check(kWaitStagingFree, owner, a.epoch - 1, value);
+        if ((failed = deadline.expired(kWaitStagingFree, owner, a.epoch - 1, value))) break;
     }
-    __syncthreads();
+    if (__syncthreads_or(failed)) return false;
     Header* theirs = header_of(a.peer_buffers, owner);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       st_release_sys(&theirs->staged_rows[a.rank], staged_word(a.epoch, static_cast<uint32_t>(rows)));
@@ -238,6 +257,7 @@ __device__ void send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
       st_release_sys(&theirs->staged_weights_landed[a.rank], staged_word(a.epoch, 1));
     }
   }
+  return true;
 }
 
 // Lane r < R: an L2 prefetch of the copy from rank r of the token (own: user memory). Prefetching the
@@ -272,7 +292,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
   constexpr int kSources = kPair ? 2 : kMaxNvlPeers;  // ranks whose copies a token may have
-  send_to_owners(a, layout, me, site);
+  if (!send_to_owners(a, layout, me, site)) return;
+  bool expired = false;  // a wait of this lane expired: the warp ends its tokens
 
   // Warps take tokens in order across the grid, so the first rows to land are summed first.
   const int num_warps = gridDim.x * kWarpsPerChannel;
@@ -286,7 +307,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     int64_t staged = -1, weights_index = -1;
     uint32_t unlanded = 0;
     if (is_source && pos >= 0)
-      staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site);
+      staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site, expired);
+    // NOTE: before any row is addressed (a row whose wait expired has no staged index); `expired` also
+    // holds the previous token's waits.
+    if (__any_sync(0xffffffffu, expired)) break;
     prefetch_rows(a, layout, region, pos, staged);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
@@ -328,13 +352,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
       float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
       const uint32_t copies = (own_weight != nullptr ? 1u : 0u) | (staged_weight != nullptr ? 2u : 0u);
-      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site);
+      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site, expired);
       if (has_weights) {
         const bool stored = (weights_by_kernel >> other) & 1u;
         if ((copies & 2u) && (stored || !landing.known()) && has_unlanded_word(staged_value))
           staged_value = wait_for_landed(staged_weight + lane,
                                          stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
-                                                : landing, site);
+                                                : landing, site, expired);
         // In rank order from zero, as sum_staged_weights adds them.
         float sum = 0.f;
         if (first && (copies & 1u)) sum += own_value;
@@ -344,13 +368,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       }
     } else {
       if (a.combined_topk_weights != nullptr) {
-        const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site);
+        const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site, expired);
         if (lane < a.num_topk) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
       }
 #pragma unroll
       for (int r = 0; r < kSources; ++r)
         if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
-          wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site);
+          wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site, expired);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
                        bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
     }
@@ -369,8 +393,9 @@ __global__ void staging_wait_kernel(StagingWaitArgs a) {
     const uint64_t value = ld_acquire_sys(a.word);
     if (value >= a.target) break;
     const bool same_epoch = counter_epoch(value) == counter_epoch(a.target);
-    deadline.check(kWaitStagingFree, a.peer, static_cast<int64_t>(a.target & 0xffffffffu),
-                   same_epoch ? static_cast<int64_t>(value & 0xffffffffu) : 0);
+    if (deadline.expired(kWaitStagingFree, a.peer, static_cast<int64_t>(a.target & 0xffffffffu),
+                         same_epoch ? static_cast<int64_t>(value & 0xffffffffu) : 0))
+      break;
   }
 }
 

@@ -61,6 +61,8 @@ class IntranodeMode(NativeBase):
         return self._runtime
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        if self._runtime is not None:
+            self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
         R = self.info.num_ranks
         per_rank = self._empty(R, dtype=torch.int32)

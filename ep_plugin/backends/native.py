@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import raises_structured_errors
+from ..errors import device_failure, raises_structured_errors, runtimes_of
 from ..output_region import OutputRegion
 from .base import GroupInfo
 from .intranode import NativeHandle
@@ -119,8 +119,11 @@ class NativeBackend(InternodeMode, LowLatencyMode):
 
     def destroy(self, collective: bool = True) -> None:
         torch.cuda.synchronize(self.info.device)
-        if collective:
-            # NOTE: no rank may free its buffer while a peer's kernel could still write into it.
+        if self.failure is None:
+            self.failure = device_failure(runtimes_of(self))
+        # NOTE: no rank may free its buffer while a peer's kernel could still write into it. A failed
+        # Buffer's peers may be gone: no barrier (a live peer's kernels end within timeout_s).
+        if collective and self.failure is None:
             dist.barrier(group=self.info.group)
         if self._runtime is not None:
             self._runtime.destroy()
