@@ -13,10 +13,11 @@ namespace ep_plugin {
 struct LayoutArgs {
   const int64_t* topk_idx;          // [T, K]
   int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
-  int32_t* num_tokens_per_rank;     // [R], zeroed by the launcher
-  int32_t* num_tokens_per_node;     // [num_nodes] or nullptr
-  int32_t* num_tokens_per_expert;   // [E], zeroed by the launcher
-  bool* is_token_in_rank;           // [T, R], zeroed by the launcher
+  // The counts, consecutive in this order (one memset zeroes them): [E], [R], then [num_nodes] or none.
+  int32_t* num_tokens_per_expert;
+  int32_t* num_tokens_per_rank;
+  int32_t* num_tokens_per_node;     // nullptr: not counted
+  bool* is_token_in_rank;           // [T, R], every entry written by the kernel
 };
 void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream);
 

@@ -26,6 +26,9 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutA
   const int token = blockIdx.x * blockDim.x + threadIdx.x;
   if (token < args.num_tokens) {
     const int64_t* ids = args.topk_idx + static_cast<int64_t>(token) * args.num_topk;
+    // This thread writes its token's whole row (no memset): false first, then true for each rank seen.
+    bool* in_rank = args.is_token_in_rank + static_cast<int64_t>(token) * args.num_ranks;
+    for (int r = 0; r < args.num_ranks; ++r) in_rank[r] = false;
     for (int k = 0; k < args.num_topk; ++k) {
       const int64_t expert = ids[k];
       // Out-of-range ids are rejected before launch (Python) and by the notify step; skip them here.
@@ -44,7 +47,7 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutA
       }
       if (!rank_seen) {
         atomicAdd(&rank_hist[rank], 1);
-        args.is_token_in_rank[static_cast<int64_t>(token) * args.num_ranks + rank] = true;
+        in_rank[rank] = true;
       }
       if (!node_seen) atomicAdd(&node_hist[node], 1);
     }
@@ -71,14 +74,10 @@ void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream) {
                "num_experts (" << args.num_experts << ") must be a positive multiple of the rank count ("
                                << args.num_ranks << ")");
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_tokens >= 0, "negative top-k or token count");
-  CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rank, 0, sizeof(int32_t) * args.num_ranks, stream));
-  CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0, sizeof(int32_t) * args.num_experts, stream));
-  if (args.num_tokens_per_node != nullptr)
-    CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_node, 0,
-                               sizeof(int32_t) * (args.num_ranks / args.ranks_per_node), stream));
+  const int num_nodes = args.num_tokens_per_node == nullptr ? 0 : args.num_ranks / args.ranks_per_node;
+  CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0,
+                             sizeof(int32_t) * (args.num_experts + args.num_ranks + num_nodes), stream));
   if (args.num_tokens == 0) return;
-  CUDA_CHECK(cudaMemsetAsync(args.is_token_in_rank, 0,
-                             sizeof(bool) * static_cast<size_t>(args.num_tokens) * args.num_ranks, stream));
   const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
   dispatch_layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());

@@ -65,16 +65,14 @@ class IntranodeMode(NativeBase):
             self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
         R = self.info.num_ranks
-        per_rank = self._empty(R, dtype=torch.int32)
-        per_node = None if self.info.is_intranode else self._empty(self.info.num_nodes, dtype=torch.int32)
-        per_expert = self._empty(num_experts, dtype=torch.int32)
+        nodes = 0 if self.info.is_intranode else self.info.num_nodes
+        counts = self._empty(num_experts + R + nodes, dtype=torch.int32)  # one allocation, one memset
+        per_expert, per_rank, per_node = counts.split([num_experts, R, nodes])
         in_rank = self._empty(T, R, dtype=torch.bool)
         _C.get_dispatch_layout(topk_idx=address_of(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
-                               num_ranks=R, ranks_per_node=self.info.ranks_per_node,
-                               num_tokens_per_rank=address_of(per_rank), num_tokens_per_node=address_of(per_node),
-                               num_tokens_per_expert=address_of(per_expert), is_token_in_rank=address_of(in_rank),
-                               stream=self._stream())
-        return per_rank, per_node, per_expert, in_rank
+                               num_ranks=R, ranks_per_node=self.info.ranks_per_node, counts=address_of(counts),
+                               count_nodes=nodes > 0, is_token_in_rank=address_of(in_rank), stream=self._stream())
+        return per_rank, per_node if nodes else None, per_expert, in_rank
 
     def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                        expert_alignment, num_worst_tokens, config: Config):
