@@ -474,7 +474,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            inner = self._check_handle(handle)
+            inner = self._check_handle(handle, DispatchHandle)
             if data.size(0) != backend.handle_num_tokens(inner):
                 raise ValueError(f"x has {data.size(0)} tokens but the handle was made for "
                                  f"{backend.handle_num_tokens(inner)}")
@@ -544,7 +544,7 @@ class Buffer:
         """
         backend = self._live_backend()
         device = self._device()
-        handle = self._check_handle(handle)
+        handle = self._check_handle(handle, DispatchHandle)
         num_rows = backend.handle_num_recv_rows(handle)
         V.check_tensor("x", x, (torch.bfloat16,), 2, device, (num_rows, None))
         V.check_row_bytes("x", x)
@@ -608,12 +608,16 @@ class Buffer:
         V.check_expert_ids("topk_idx", topk_idx, num_experts)
         self._last_checked_ids = (weakref.ref(topk_idx), facts)
 
-    def _check_handle(self, handle: object) -> object:
-        """The backend's own handle inside `handle`, which must come from this Buffer's dispatch."""
+    def _check_handle(self, handle: object, kind: type) -> object:
+        """The backend's own handle inside `handle`, which must come from this Buffer's dispatch of the
+        mode of `kind` (DispatchHandle: `dispatch`; LowLatencyHandle: `low_latency_dispatch`)."""
         inner = unwrap(handle)
         if getattr(inner, "owner", None) is not self._backend:
             raise ValueError("handle does not come from this Buffer's dispatch "
                              f"(got {type(handle).__name__})")
+        if isinstance(handle, (DispatchHandle, LowLatencyHandle)) and not isinstance(handle, kind):
+            source = "low_latency_dispatch" if kind is LowLatencyHandle else "(normal-mode) dispatch"
+            raise ValueError(f"expected a handle from {source}, got {type(handle).__name__}")
         return inner
 
     def _check_config(self, config: Config) -> None:
@@ -766,7 +770,7 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats is not supported by ep_plugin; pass None")
         V.check_hook_without_async(async_finish, return_recv_hook)
-        handle = self._check_handle(handle)
+        handle = self._check_handle(handle, LowLatencyHandle)
         V.check_tensor("x", x, (torch.bfloat16,), 3, device, handle.recv_shape)
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
         V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, topk_idx.shape)
@@ -810,4 +814,4 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[E_local, R * T_max, H]` bf16 tensor to fill before `low_latency_combine(zero_copy=True)`."""
         self._require_low_latency()
-        return self._live_backend().get_next_low_latency_combine_buffer(self._check_handle(handle))
+        return self._live_backend().get_next_low_latency_combine_buffer(self._check_handle(handle, LowLatencyHandle))

@@ -330,7 +330,7 @@ def case_bad_inputs(ctx: Ctx) -> None:
         buf.low_latency_combine(recv, topk, weights, foreign)
     with pytest.raises(ValueError, match="handle does not come from this Buffer"):
         buf.get_next_low_latency_combine_buffer(foreign)
-    with pytest.raises(ValueError, match="low_latency_combine needs the handle of low_latency_dispatch"):
+    with pytest.raises(ValueError, match="expected a handle from low_latency_dispatch, got DispatchHandle"):
         buf.low_latency_combine(recv, topk, weights, normal_handle)
     with pytest.raises(ValueError, match="expected a handle from low_latency_dispatch"):
         buf.get_next_low_latency_combine_buffer(normal_handle)

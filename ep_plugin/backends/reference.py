@@ -57,11 +57,6 @@ class DispatchHandle:
     num_recv_rows: int               # rows of recv_x: received rows, or num_worst_tokens
     rank_count_matrix: List[List[int]]  # [R][R]: rows rank j receives from rank s, at [s][j]
 
-    @property
-    def recv_shape(self):
-        raise ValueError("this handle comes from normal-mode dispatch; low_latency_combine needs the handle "
-                         "of low_latency_dispatch")
-
 
 @dataclass(eq=False)
 class LowLatencyHandle:
