@@ -1,11 +1,15 @@
 """The Python host cost of eager calls, on a machine without a GPU: a real `ep_plugin.Buffer` over the native
 backend whose kernels are replaced by stand-ins that accept the same calls and do nothing.
 
-What it measures: everything a user's eager `low_latency_dispatch`, `low_latency_combine` and
-`get_dispatch_layout` run in Python on the way to the kernel launch: Buffer's argument checks and
-wrappers, the backend's output allocations (torch.empty on the CPU), its Args structs (the real pybind
-ones), handle objects. Two spawned ranks over gloo (a group of 2: 2 ranks' shapes); rank 0 times, rank
-1 waits. Prints the median host time per call and rank 0's cProfile, top functions by own time.
+What it measures: everything a user's eager `low_latency_dispatch`, `low_latency_combine`,
+`get_dispatch_layout` and normal-mode `dispatch` (with notify, and cached) and `combine` run in Python
+on the way to the kernel launch: Buffer's argument checks and wrappers, the backend's output
+allocations (torch.empty on the CPU; at 2 ranks the normal-mode dispatch's outputs come from the
+output region, here in host memory), its Args structs (the real pybind ones), handle objects. And,
+for the dispatch with notify, the part of it on the GPU's critical path: the host's time from the
+received count's arrival (the stand-in `wait_notify` returning) to the dispatch kernel's launch, while
+the GPU idles. Two spawned ranks over gloo (a group of 2: 2 ranks' shapes); rank 0 times, rank 1
+waits. Prints the median host time per call and rank 0's cProfiles, top functions by own time.
 
 What it cannot measure: the native runtime's own host time (the pybind call into C++ and the CUDA
 launch; here a Python no-op), torch.empty through the CUDA caching allocator (here the CPU allocator,
@@ -16,6 +20,7 @@ the GPU machine's CPU runs the same Python. benchmarks/profile_host.py --eager m
 It times the checkout it sits in: to compare revisions, run it on each.
 
     python3 benchmarks/probes/host_overhead.py --iters 2000
+    python3 benchmarks/probes/host_overhead.py --only normal   # the normal-mode calls alone
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from ep_plugin.bench import random_routing  # noqa: E402
 from ep_plugin.launch import parallel_launch  # noqa: E402
 from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels  # noqa: E402
 
+WAIT_TO_LAUNCH = "  wait -> dispatch launch"  # the row of the gap inside `dispatch (notify)`
+
 
 def _median_us(step: Callable[[], object], iters: int) -> float:
     for _ in range(iters // 10):  # warm-up
@@ -58,20 +65,48 @@ def _median_us(step: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _profile(step: Callable[[], object], iters: int, top: int) -> str:
+def _median_gap_us(step: Callable[[], object], runtime, iters: int) -> float:
+    """Median host time from `runtime.wait_notify`'s return to the dispatch's launch, over calls of `step`."""
+    for _ in range(iters // 10):
+        step()
+    gaps = []
+    for _ in range(iters):
+        step()
+        gaps.append((runtime.launched_at - runtime.wait_returned_at) * 1e6)
+    return statistics.median(gaps)
+
+
+def _profile(name: str, step: Callable[[], object], iters: int, top: int) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(iters):
         step()
     profiler.disable()
     text = io.StringIO()
-    text.write(f"---- ll dispatch + combine, by own time ({iters} pairs; times are totals)\n")
+    text.write(f"---- {name}, by own time ({iters} calls; times are totals)\n")
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
 
 
+def _normal_steps(normal: Buffer, args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
+    """Normal-mode calls as DeepEP programs make them (layout, then dispatch with notify; cached dispatch;
+    combine with weights), BF16, on fresh random inputs (CPU)."""
+    generator = torch.Generator().manual_seed(1)
+    T = args.normal_tokens
+    x = torch.randn(T, args.hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    topk_idx = random_routing(T, args.experts, args.topk, "cpu", generator)
+    weights = torch.rand(T, args.topk, generator=generator, dtype=torch.float32)
+    per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    recv_x, _, recv_weights, _, handle, _ = normal.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    expert_out = torch.randn(recv_x.shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    return {"dispatch (notify)": lambda: normal.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout),
+            "cached dispatch": lambda: normal.dispatch(x, handle=handle),
+            "combine": lambda: normal.combine(expert_out, handle, recv_weights)}
+
+
 def _steps(ll: Buffer, normal: Buffer, args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
-    """The timed calls, on fresh random inputs (CPU)."""
+    """The timed low-latency calls and the layout, on fresh random inputs (CPU)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16)
     topk_idx = random_routing(args.tokens, args.experts, args.topk, "cpu", generator)
@@ -90,6 +125,16 @@ def _steps(ll: Buffer, normal: Buffer, args: argparse.Namespace) -> Dict[str, Ca
             "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts)}
 
 
+def _timings(steps: Dict[str, Callable[[], object]], runtime, iters: int) -> Dict[str, float]:
+    """Median us per call of each step; after the dispatch with notify, the gap inside it."""
+    result = {}
+    for name, step in steps.items():
+        result[name] = _median_us(step, iters)
+        if name == "dispatch (notify)":
+            result[WAIT_TO_LAUNCH] = _median_gap_us(step, runtime, iters)
+    return result
+
+
 def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
     with stand_in_kernels(StandInLowLatencyRuntime()):
         rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, world_size, args.experts)
@@ -98,13 +143,17 @@ def probe_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> D
         assert ll.backend_name == normal.backend_name == "native"
         result: Dict = {}
         if rank == 0:
-            steps = _steps(ll, normal, args)
-            result["plain"] = {name: _median_us(step, args.iters) for name, step in steps.items()}
-            result["profile"] = _profile(steps["ll pair"], args.iters, args.top)
+            steps = {} if args.only == "normal" else _steps(ll, normal, args)
+            if args.only != "low_latency":
+                steps.update(_normal_steps(normal, args))
+            runtime = normal._backend._runtime
+            result["plain"] = _timings(steps, runtime, args.iters)
+            result["profile"] = "".join(_profile(name, steps[name], args.iters, args.top)
+                                        for name in ("ll pair", "dispatch (notify)") if name in steps)
             # As DeepEP programs often run: torch's default device and dtype set globally.
             torch.set_default_device("cpu")
             torch.set_default_dtype(torch.bfloat16)
-            result["global defaults"] = {name: _median_us(step, args.iters) for name, step in steps.items()}
+            result["global defaults"] = _timings(steps, runtime, args.iters)
             torch.set_default_device(None)
             torch.set_default_dtype(torch.float32)
         dist.barrier(group=group)
@@ -119,12 +168,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--normal-tokens", type=int, default=4096, help="tokens per rank of the normal-mode calls")
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--only", choices=("low_latency", "normal"), help="time only these calls")
     parser.add_argument("--top", type=int, default=20, help="functions listed")
     args = parser.parse_args()
     result = parallel_launch(2, probe_rank, args, backend="gloo", timeout_s=600.0)[0]
-    print(f"host us per call, median of {args.iters} (stand-in kernels, CPU tensors; {args.tokens} tokens x "
-          f"{args.hidden}, top-{args.topk} of {args.experts} experts, 2 ranks)")
+    print(f"host us per call, median of {args.iters} (stand-in kernels, CPU tensors; low latency {args.tokens}, "
+          f"normal mode {args.normal_tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts} experts, "
+          "2 ranks)")
     print(f"  {'':22s} {'plain':>7s} {'global default device/dtype':>28s}")
     for name, us in result["plain"].items():
         print(f"  {name:22s} {us:7.1f} {result['global defaults'][name]:28.1f}")
