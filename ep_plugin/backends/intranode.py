@@ -91,7 +91,7 @@ class IntranodeMode(NativeBase):
         if num_worst_tokens == 0:
             self._notify_tag += 1
             host_tag = self._notify_tag
-        stream = self._stream()
+        runtime, stream = self._intranode(), self._stream()
         args = _C.NotifyArgs()
         args.is_token_in_rank = address_of(is_token_in_rank)
         args.num_tokens_per_expert = address_of(num_tokens_per_expert)
@@ -105,24 +105,18 @@ class IntranodeMode(NativeBase):
         args.recv_rank_offsets = address_of(recv_rank_offsets)
         args.src_num_tokens = address_of(src_num_tokens)
         args.num_recv_tokens = address_of(num_recv_device)
-        self._intranode().notify(args, stream)
+        runtime.notify(args, stream)
+        # While notify runs: everything the dispatch needs but the received count.
+        dispatch = self._prepare_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, num_local_experts,
+                                          num_worst_tokens, num_recv_device, config, stream, with_metadata=True)
         if num_worst_tokens == 0:
-            num_recv, per_rank, per_expert = self._intranode().wait_notify(
+            num_recv, per_rank, per_expert = runtime.wait_notify(
                 tag=host_tag, num_local_experts=num_local_experts, stream=stream)
             rows = num_recv
         else:
             num_recv, per_rank, per_expert, rows = None, None, [], num_worst_tokens
-
-        direct = self._direct_dispatch_possible()
-        (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), has_room = self._recv_outputs(
-            direct, [((rows, x.size(1)), x.dtype),
-                     None if x_scales is None else ((rows, x_scales.size(1)), torch.float32),
-                     None if topk_idx is None else ((rows, K), torch.int64),
-                     None if topk_weights is None else ((rows, K), torch.float32),
-                     ((rows,), torch.int32)])
-        self._launch_dispatch(x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
-                              recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                              config, direct_rows=rows if direct else None, has_room=has_room)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(rows)
+        self.last_dispatch_path = dispatch.path
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               send_pos=send_pos, recv_rank_offsets=recv_rank_offsets, src_num_tokens=src_num_tokens,
@@ -135,42 +129,29 @@ class IntranodeMode(NativeBase):
         alike: all have the region (same config) and capture graphs together."""
         return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
 
-    def _recv_outputs(self, direct: bool, specs) -> Tuple[List[Optional[torch.Tensor]], bool]:
-        """The dispatch's outputs for `specs` ((shape, dtype) or None each; the rows and their scales
-        first, then the metadata), and whether they are in the output region. They are there when
-        `direct` and the region has room (two blocks: the rows go back with recv_x, the metadata with
-        the handle); else ordinary tensors, and a direct dispatch then falls back to the rings on every
-        rank (the kernels agree on it; no rank raises)."""
-        if direct:
-            stream = self._stream()
-            rows = self._region_outputs(specs[:2], stream)
-            metadata = self._region_outputs(specs[2:], stream) if rows is not None else None
-            if metadata is not None:
-                return rows + metadata, True
-        return [None if spec is None else self._empty(*spec[0], dtype=spec[1]) for spec in specs], False
-
-    def _region_outputs(self, specs, stream: int) -> Optional[List[Optional[torch.Tensor]]]:
-        """Tensors for `specs` (None entries stay None) in one block of the output region, or None
-        when it has no room."""
-        present = [spec for spec in specs if spec is not None]
-        if not present:
-            return [None] * len(specs)
-        tensors = self._outputs.empty_group(present, stream)
-        if tensors is None:
-            return None
-        found = iter(tensors)
-        return [None if spec is None else next(found) for spec in specs]
+    def _prepare_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, num_local_experts, num_worst_tokens,
+                          num_recv_device, config: Config, stream: int, with_metadata: bool) -> "PreparedDispatch":
+        """The dispatch of `x` (and its scales, top-k ids and weights) by `send_pos`, ready but for its row
+        count; its outputs: recv_x and recv_scales, and `with_metadata` also recv_topk_idx,
+        recv_topk_weights and recv_src_idx (a dispatch with notify)."""
+        args = self._dispatch_args(x, x_scales, topk_idx, topk_weights, send_pos, num_local_experts, num_worst_tokens,
+                                   num_recv_device, config)
+        columns = [(x.size(1), x.dtype), None if x_scales is None else (x_scales.size(1), torch.float32)]
+        if with_metadata:
+            K = args.num_topk
+            columns += [None if topk_idx is None else (K, torch.int64),
+                        None if topk_weights is None else (K, torch.float32), (0, torch.int32)]
+        region = self._outputs if self._direct_dispatch_possible() else None
+        return PreparedDispatch(self._intranode(), args, columns, region, stream, self.info.device)
 
     def direct_fell_back(self) -> bool:
         """Whether this rank's last direct dispatch found a rank without room in its output region and
         moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
         return self._intranode().direct_fell_back()
 
-    def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
-                         recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
-                         config: Config, direct_rows: Optional[int] = None, has_room: bool = True) -> None:
-        # "direct": the direct kernel ran (and may have fallen back: direct_fell_back).
-        self.last_dispatch_path = "rings" if direct_rows is None else "direct"
+    def _dispatch_args(self, x, x_scales, topk_idx, topk_weights, send_pos, num_local_experts, num_worst_tokens,
+                       num_recv_device, config: Config):
+        """A dispatch's Args, every field but the outputs' addresses (recv_*: 0)."""
         args = _C.DispatchArgs()
         args.num_channels = config.num_channels
         args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
@@ -181,24 +162,27 @@ class IntranodeMode(NativeBase):
         args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
         args.x, args.x_scales = address_of(x), address_of(x_scales)
         args.topk_idx, args.topk_weights = address_of(topk_idx), address_of(topk_weights)
-        args.send_pos = address_of(send_pos)
+        args.send_pos, args.num_recv_tokens = address_of(send_pos), address_of(num_recv_device)
+        return args
+
+    def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, send_pos, recv_x, recv_scales, recv_topk_idx,
+                         recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens, num_recv_device,
+                         config: Config) -> None:
+        """The ring dispatch into outputs the caller allocated (the intranode stage of internode mode)."""
+        args = self._dispatch_args(x, x_scales, topk_idx, topk_weights, send_pos, num_local_experts, num_worst_tokens,
+                                   num_recv_device, config)
         args.recv_x, args.recv_x_scales = address_of(recv_x), address_of(recv_scales)
         args.recv_topk_idx, args.recv_topk_weights = address_of(recv_topk_idx), address_of(recv_topk_weights)
-        args.recv_src_idx, args.num_recv_tokens = address_of(recv_src_idx), address_of(num_recv_device)
-        if direct_rows is None:
-            self._intranode().dispatch(args, self._stream())
-        else:
-            self._intranode().direct_dispatch(args, direct_rows, has_room, self._stream())
+        args.recv_src_idx = address_of(recv_src_idx)
+        self.last_dispatch_path = "rings"
+        self._intranode().dispatch(args, self._stream())
 
     def _intranode_cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         self._check_sms(config)
-        rows = handle.num_recv_rows
-        direct = self._direct_dispatch_possible()
-        (recv_x, recv_scales), has_room = self._recv_outputs(
-            direct, [((rows, x.size(1)), x.dtype), None if x_scales is None else ((rows, x_scales.size(1)), torch.float32)])
-        self._launch_dispatch(x, x_scales, None, None, handle.send_pos, recv_x, recv_scales, None, None, None, 1,
-                              handle.num_worst_tokens, handle.num_recv_device, config,
-                              direct_rows=rows if direct else None, has_room=has_room)
+        dispatch = self._prepare_dispatch(x, x_scales, None, None, handle.send_pos, 1, handle.num_worst_tokens,
+                                          handle.num_recv_device, config, self._stream(), with_metadata=False)
+        recv_x, recv_scales = dispatch.launch(handle.num_recv_rows)
+        self.last_dispatch_path = dispatch.path
         return recv_x, recv_scales
 
     def _intranode_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
@@ -258,3 +242,68 @@ class IntranodeMode(NativeBase):
         args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
         self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
                                          self._side_stream.cuda_stream)
+
+
+class PreparedDispatch:
+    """An intranode dispatch ready to launch but for its row count: its Args with every field but the
+    outputs, its outputs' columns, its path. `launch(rows)` is all the host does between the received
+    count's arrival and the kernel (the GPU idles meanwhile): allocate the outputs, set their addresses,
+    launch; the outputs get their dtypes after the launch.
+
+    Direct (`region` given): the outputs go into the output region, in two blocks (the rows and their
+    scales go back with recv_x, the metadata with the handle). Where the region has no room they are
+    ordinary tensors, and the direct dispatch falls back to the rings on every rank (the kernels agree
+    on it; no rank raises). Rings (`region` None): ordinary tensors.
+    """
+
+    _FIELDS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+    _ROWS = 2  # the first two outputs (recv_x, recv_x_scales) form the rows block
+
+    def __init__(self, runtime, args, columns: List[Optional[Tuple[int, torch.dtype]]],
+                 region: Optional[OutputRegion], stream: int, device: torch.device) -> None:
+        # columns[i]: None (output i absent) or (width, dtype), width 0 for a 1-D output.
+        self.runtime, self.args, self.columns, self.region, self.stream = runtime, args, columns, region, stream
+        self.device = device
+        self.fields = self._FIELDS[:len(columns)]
+        self.path = "rings" if region is None else "direct"  # "direct": the direct kernel ran (direct_fell_back)
+        # Each block's outputs as (index, bytes per row, 2-D), for the region's uint8 shapes.
+        self.blocks: List[List[Tuple[int, int, bool]]] = [[], []]
+        for index, column in enumerate(columns):
+            if column is not None:
+                width, dtype = column
+                self.blocks[index >= self._ROWS].append((index, max(width, 1) * dtype.itemsize, width > 0))
+        if not self.blocks[1]:
+            del self.blocks[1]
+
+    def launch(self, rows: int) -> List[Optional[torch.Tensor]]:
+        """Allocate the outputs of `rows` rows, launch the dispatch into them; the outputs (None where absent)."""
+        raw = None if self.region is None else self._region_bytes(rows)
+        outputs = raw if raw is not None else self._ordinary(rows)
+        args = self.args
+        for field, tensor in zip(self.fields, outputs):
+            setattr(args, field, address_of(tensor))
+        if self.region is None:
+            self.runtime.dispatch(args, self.stream)
+            return outputs
+        self.runtime.direct_dispatch(args, rows, raw is not None, self.stream)
+        if raw is None:
+            return outputs
+        return [None if tensor is None else tensor.view(column[1]) for tensor, column in zip(raw, self.columns)]
+
+    def _region_bytes(self, rows: int) -> Optional[List[Optional[torch.Tensor]]]:
+        """uint8 outputs in the region (every block, or None when one has no room)."""
+        outputs: List[Optional[torch.Tensor]] = [None] * len(self.columns)
+        for block in self.blocks:
+            shapes = [[rows, row_bytes] if two_d else [rows * row_bytes] for _, row_bytes, two_d in block]
+            tensors = self.region.empty_bytes(shapes, self.stream)
+            if tensors is None:
+                return None  # the blocks already taken go back with their tensors
+            for (index, _, _), tensor in zip(block, tensors):
+                outputs[index] = tensor
+        return outputs
+
+    def _ordinary(self, rows: int) -> List[Optional[torch.Tensor]]:
+        return [None if column is None else
+                torch.empty(rows, column[0], dtype=column[1], device=self.device) if column[0] else
+                torch.empty(rows, dtype=column[1], device=self.device)
+                for column in self.columns]
