@@ -1,0 +1,275 @@
+"""The native intranode (normal-mode) host code, on CPU, through the public `ep_plugin.Buffer`: the outputs
+it allocates (in the output region or not) and the Args each launch hands the kernels, recorded by a
+stand-in runtime (tests/stand_in_native.py) whose `wait_notify` answers that every rank sent all its
+tokens; bad input raises before any launch. The kernels themselves are tests/test_native_intranode.py's
+(GPU). Two spawned ranks (2 ranks' shapes; the stand-in needs no peer); every case runs on each.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Callable, Dict, List, Optional
+from unittest import mock
+
+import pytest
+import torch
+
+from case_runner import assert_case_passed, run_each
+from ep_plugin import Buffer, Config
+from ep_plugin.bench import random_routing
+from ep_plugin.handles import unwrap
+from ep_plugin.launch import parallel_launch
+
+pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
+from stand_in_native import RecordingIntranodeRuntime, StandInLowLatencyRuntime, stand_in_kernels  # noqa: E402
+
+BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+T, HIDDEN, NUM_EXPERTS, TOPK = 24, 640, 8, 3  # 5 FP8 scales per row
+CONFIG = Config(24, 8, 256)
+# Room for one BF16 dispatch's outputs (48 rows: recv_x, top-k ids and weights, source index), not two.
+SMALL_REGION_BYTES = 3 * 48 * (2 * HIDDEN + 12 * TOPK + 4) // 2
+
+
+class Ctx:
+    def __init__(self, rank: int, num_ranks: int, buffers: Dict[str, Buffer], seed: int) -> None:
+        self.rank, self.num_ranks, self.buffers = rank, num_ranks, buffers
+        self.gen = torch.Generator().manual_seed(seed + rank)
+        self.num_local = NUM_EXPERTS // num_ranks
+        self.rows = T * num_ranks  # what the stand-in's wait_notify answers
+
+    def runtime(self, buffer: str = "direct") -> RecordingIntranodeRuntime:
+        return self.buffers[buffer]._backend._runtime
+
+    def inputs(self, fp8: bool = False):
+        x = torch.randn(T, HIDDEN, generator=self.gen).to(torch.bfloat16)
+        if fp8:
+            x = (x.to(torch.float8_e4m3fn), torch.rand(T, HIDDEN // 128, generator=self.gen))
+        topk_idx = random_routing(T, NUM_EXPERTS, TOPK, "cpu", self.gen)
+        weights = torch.rand(T, TOPK, generator=self.gen)
+        return x, topk_idx, weights
+
+    def dispatch(self, buffer: str = "direct", fp8: bool = False, **kwargs):
+        """A dispatch with its layout; (inputs, outputs, the calls it made to the runtime)."""
+        x, topk_idx, weights = self.inputs(fp8)
+        target = self.buffers[buffer]
+        per_rank, _, per_expert, in_rank, _ = target.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+        first = len(self.runtime(buffer).launches)
+        outputs = target.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, config=CONFIG, **kwargs)
+        return (x, topk_idx, weights, per_expert, in_rank), outputs, self.runtime(buffer).launches[first:]
+
+    def in_region(self, tensor: torch.Tensor, buffer: str = "direct") -> bool:
+        region = self.buffers[buffer]._backend._outputs
+        return region.address <= tensor.data_ptr() < region.address + region.size
+
+
+def _expect_fields(fields: Dict[str, object], **expected) -> None:
+    for name, value in expected.items():
+        assert fields[name] == value, f"Args.{name} = {fields[name]!r}, expected {value!r}"
+
+
+def _data(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _input_fields(x, topk_idx, weights, handle) -> Dict[str, object]:
+    inner = unwrap(handle)
+    data, scales = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
+    return dict(x=data.data_ptr(), x_scales=0 if scales is None else scales.data_ptr(), num_tokens=T,
+                row_bytes=HIDDEN * data.element_size(), num_scales=0 if scales is None else scales.size(1),
+                topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
+                topk_weights=0 if weights is None else weights.data_ptr(), send_pos=inner.send_pos.data_ptr(),
+                num_recv_tokens=inner.num_recv_device.data_ptr(), num_channels=CONFIG.num_channels,
+                recv_tokens_per_channel=CONFIG.num_max_nvl_chunked_recv_tokens,
+                send_chunk=CONFIG.num_max_nvl_chunked_send_tokens)
+
+
+def _check_metadata(ctx: Ctx, recv_topk_idx, recv_weights, handle, in_region: bool, buffer: str = "direct") -> None:
+    rows = ctx.rows if unwrap(handle).num_worst_tokens == 0 else unwrap(handle).num_worst_tokens
+    assert recv_topk_idx.dtype == torch.int64 and recv_topk_idx.shape == (rows, TOPK)
+    assert recv_weights.dtype == torch.float32 and recv_weights.shape == (rows, TOPK)
+    src_idx = unwrap(handle).recv_src_idx
+    assert src_idx.dtype == torch.int32 and src_idx.shape == (rows,)
+    for tensor in (recv_topk_idx, recv_weights, src_idx):
+        assert tensor.is_contiguous() and ctx.in_region(tensor, buffer) == in_region
+
+
+def case_bf16_dispatch_direct(ctx: Ctx) -> None:
+    """notify, the wait for its tag, then the direct dispatch into outputs in the output region: the Args name
+    every input and output; rows from the wait; the per-expert counts are the wait's."""
+    (x, topk_idx, weights, per_expert, in_rank), outputs, calls = ctx.dispatch()
+    recv_x, recv_topk_idx, recv_weights, per_expert_list, handle, _ = outputs
+    assert [call[0] for call in calls] == ["notify", "wait_notify", "direct_dispatch"]
+    notify, dispatch = calls[0][1], calls[2][1]
+    inner = unwrap(handle)
+    _expect_fields(notify, is_token_in_rank=in_rank.data_ptr(), num_tokens_per_expert=per_expert.data_ptr(),
+                   topk_idx=topk_idx.data_ptr(), num_tokens=T, num_topk=TOPK, num_experts=NUM_EXPERTS,
+                   expert_alignment=1, num_worst_tokens=0, send_pos=inner.send_pos.data_ptr(),
+                   recv_rank_offsets=inner.recv_rank_offsets.data_ptr(),
+                   src_num_tokens=inner.src_num_tokens.data_ptr(), num_recv_tokens=inner.num_recv_device.data_ptr())
+    assert calls[1][2] == (notify["host_tag"], ctx.num_local) and notify["host_tag"] > 0
+    assert calls[2][2] == (ctx.rows, True)
+    assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (ctx.rows, HIDDEN) and ctx.in_region(recv_x)
+    _check_metadata(ctx, recv_topk_idx, recv_weights, handle, in_region=True)
+    _expect_fields(dispatch, **_input_fields(x, topk_idx, weights, handle), num_topk=TOPK,
+                   num_local_experts=ctx.num_local, num_worst_tokens=0, recv_x=recv_x.data_ptr(), recv_x_scales=0,
+                   recv_topk_idx=recv_topk_idx.data_ptr(), recv_topk_weights=recv_weights.data_ptr(),
+                   recv_src_idx=inner.recv_src_idx.data_ptr())
+    assert per_expert_list == ctx.runtime().received(T, ctx.num_local, 1)[2]
+    assert inner.num_recv_tokens == ctx.rows and inner.num_recv_per_rank == [T] * ctx.num_ranks
+    assert ctx.buffers["direct"]._backend.last_dispatch_path == "direct"
+
+
+def case_fp8_dispatch_and_cached(ctx: Ctx) -> None:
+    """FP8: the scales travel in the rows' block; a cached dispatch sets only the rows and scales."""
+    (x, topk_idx, weights, _, _), outputs, calls = ctx.dispatch(fp8=True, expert_alignment=4)
+    (recv_x, recv_scales), _, _, per_expert_list, handle, _ = outputs
+    assert recv_x.dtype == torch.float8_e4m3fn and recv_x.shape == (ctx.rows, HIDDEN)
+    assert recv_scales.dtype == torch.float32 and recv_scales.shape == (ctx.rows, HIDDEN // 128)
+    assert ctx.in_region(recv_x) and ctx.in_region(recv_scales)
+    assert all(count % 4 == 0 for count in per_expert_list) and calls[0][1]["expert_alignment"] == 4
+    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+                   recv_x_scales=recv_scales.data_ptr())
+
+    first = len(ctx.runtime().launches)
+    (cached_x, cached_scales), none_idx, none_weights, none_list, none_handle, _ = ctx.buffers["direct"].dispatch(
+        x, handle=handle, config=CONFIG)
+    assert none_idx is none_weights is none_list is none_handle is None
+    calls = ctx.runtime().launches[first:]
+    assert [call[0] for call in calls] == ["direct_dispatch"] and calls[0][2] == (ctx.rows, True)
+    assert cached_x.shape == recv_x.shape and cached_scales.shape == recv_scales.shape and ctx.in_region(cached_x)
+    _expect_fields(calls[0][1], **_input_fields(x, None, None, handle), num_topk=0, num_local_experts=1,
+                   num_worst_tokens=0, recv_x=cached_x.data_ptr(), recv_x_scales=cached_scales.data_ptr(),
+                   recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0)
+
+
+def case_num_worst_tokens(ctx: Ctx) -> None:
+    """num_worst_tokens: no wait; outputs of that many rows; no per-expert counts; the SM combine."""
+    worst = 3 * T
+    (x, topk_idx, weights, _, _), outputs, calls = ctx.dispatch(num_worst_tokens=worst)
+    recv_x, recv_topk_idx, recv_weights, per_expert_list, handle, _ = outputs
+    assert [call[0] for call in calls] == ["notify", "direct_dispatch"] and calls[1][2] == (worst, True)
+    assert calls[0][1]["host_tag"] == 0 and calls[0][1]["num_worst_tokens"] == worst
+    assert per_expert_list == [] and recv_x.shape == (worst, HIDDEN)
+    _check_metadata(ctx, recv_topk_idx, recv_weights, handle, in_region=True)
+    _expect_fields(calls[1][1], num_worst_tokens=worst, recv_x=recv_x.data_ptr())
+    combined, combined_weights, _ = ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
+    operation, fields, _ = ctx.runtime().launches[-1]
+    assert operation == "combine" and combined.shape == (T, HIDDEN) and combined_weights.shape == (T, TOPK)
+    _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(), num_tokens=T, hidden=HIDDEN,
+                   num_topk=TOPK, recv_src_idx=unwrap(handle).recv_src_idx.data_ptr(),
+                   combined_x=combined.data_ptr(), combined_topk_weights=combined_weights.data_ptr())
+
+
+def case_copy_engine_combine(ctx: Ctx) -> None:
+    """A combine after a dispatch that waited for its counts goes through the copy engines, rows per source
+    from the wait."""
+    _, outputs, _ = ctx.dispatch()
+    recv_x, _, recv_weights, _, handle, _ = outputs
+    combined, combined_weights, _ = ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
+    operation, fields, (rows_from, _, num_sms) = ctx.runtime().launches[-1]
+    assert operation == "staged_combine" and rows_from == [T] * ctx.num_ranks and num_sms == CONFIG.num_sms
+    _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(),
+                   combined_x=combined.data_ptr(), combined_topk_weights=combined_weights.data_ptr())
+
+
+def case_full_region_falls_back(ctx: Ctx) -> None:
+    """A region without room for a second dispatch's outputs: ordinary tensors, and the direct dispatch told
+    so (it falls back to the rings on every rank); the first dispatch's blocks come back when its
+    outputs go."""
+    _, first, calls = ctx.dispatch("small")
+    assert calls[-1][0] == "direct_dispatch" and calls[-1][2] == (ctx.rows, True) and ctx.in_region(first[0], "small")
+    (x, topk_idx, weights, _, _), second, calls = ctx.dispatch("small")
+    recv_x, recv_topk_idx, recv_weights, _, handle, _ = second
+    assert calls[-1][0] == "direct_dispatch" and calls[-1][2] == (ctx.rows, False)
+    assert not ctx.in_region(recv_x, "small")
+    _check_metadata(ctx, recv_topk_idx, recv_weights, handle, in_region=False, buffer="small")
+    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+                   recv_topk_idx=recv_topk_idx.data_ptr(), recv_src_idx=unwrap(handle).recv_src_idx.data_ptr())
+    assert ctx.buffers["small"]._backend.last_dispatch_path == "direct"
+    del first, second, recv_x, recv_topk_idx, recv_weights, handle
+    _, third, calls = ctx.dispatch("small")
+    assert calls[-1][2] == (ctx.rows, True) and ctx.in_region(third[0], "small")
+
+
+def case_rings_without_region(ctx: Ctx) -> None:
+    """No output region: the ring dispatch into ordinary tensors."""
+    (x, topk_idx, weights, _, _), outputs, calls = ctx.dispatch("rings")
+    recv_x, recv_topk_idx, recv_weights, _, handle, _ = outputs
+    assert [call[0] for call in calls] == ["notify", "wait_notify", "dispatch"]
+    assert recv_x.shape == (ctx.rows, HIDDEN) and recv_topk_idx.shape == (ctx.rows, TOPK)
+    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+                   recv_topk_idx=recv_topk_idx.data_ptr(), recv_topk_weights=recv_weights.data_ptr(),
+                   recv_src_idx=unwrap(handle).recv_src_idx.data_ptr())
+    assert ctx.buffers["rings"]._backend.last_dispatch_path == "rings"
+
+
+def case_capture_takes_the_rings(ctx: Ctx) -> None:
+    """Under CUDA-graph capture (num_worst_tokens): the rings into ordinary tensors, the SM combine."""
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+        _, outputs, calls = ctx.dispatch(num_worst_tokens=2 * T)
+        recv_x, _, recv_weights, _, handle, _ = outputs
+        assert [call[0] for call in calls] == ["notify", "dispatch"] and not ctx.in_region(recv_x)
+        ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
+    assert ctx.runtime().launches[-1][0] == "combine"
+
+
+def case_bad_input_launches_nothing(ctx: Ctx) -> None:
+    """Each bad argument gets its error, naming it, and no kernel is launched."""
+    x, topk_idx, weights = ctx.inputs()
+    buffer = ctx.buffers["direct"]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    _, outputs, _ = ctx.dispatch()
+    handle = outputs[4]
+    count = len(ctx.runtime().launches)
+    bad_calls = [
+        (ValueError, "topk_idx must have size", lambda: buffer.dispatch(x, topk_idx=topk_idx[1:], **layout)),
+        (ValueError, "topk_weights needs topk_idx", lambda: buffer.dispatch(x, topk_weights=weights, **layout)),
+        (ValueError, "num_worst_tokens", lambda: buffer.dispatch(x, topk_idx=topk_idx, num_worst_tokens=-1, **layout)),
+        (ValueError, "is_token_in_rank must have size",
+         lambda: buffer.dispatch(x, topk_idx=topk_idx, **{**layout, "is_token_in_rank": in_rank[1:]})),
+        (ValueError, "takes no topk_idx", lambda: buffer.dispatch(x, handle=handle, topk_idx=topk_idx)),
+        (ValueError, "tokens but the handle", lambda: buffer.dispatch(x[1:], handle=handle)),
+        (ValueError, "x must have size", lambda: buffer.combine(x, handle)),
+    ]
+    for error, message, call in bad_calls:
+        with pytest.raises(error, match=message):
+            call()
+    assert len(ctx.runtime().launches) == count, "a rejected call must launch no kernel"
+
+
+CASES = [name for name in globals() if name.startswith("case_")]
+
+
+def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
+    return {name: (lambda fn=globals()[name]: fn(ctx)) for name in CASES}
+
+
+def _buffer(group, dispatch_output_bytes) -> Buffer:
+    num_nvl_bytes = CONFIG.get_nvl_buffer_size_hint(2 * HIDDEN, group.size())
+    config = {"buffer": {"max_hidden": HIDDEN, "dispatch_output_bytes": dispatch_output_bytes}}
+    buffer = Buffer(group, num_nvl_bytes, explicitly_destroy=True, config=config)
+    assert buffer.backend_name == "native"
+    return buffer
+
+
+def host_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:
+    with stand_in_kernels(StandInLowLatencyRuntime(), intranode=RecordingIntranodeRuntime):
+        buffers = {"direct": _buffer(group, "auto"), "small": _buffer(group, SMALL_REGION_BYTES),
+                   "rings": _buffer(group, 0)}
+        try:
+            return run_each(_cases(Ctx(rank, num_ranks, buffers, seed)), CASES)
+        finally:
+            for buffer in buffers.values():
+                buffer.destroy()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return parallel_launch(2, host_worker, BASE_SEED, backend="gloo", timeout_s=120)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_intranode_host(results, case):
+    assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED}")
