@@ -12,7 +12,8 @@ the GPU idles. Two spawned ranks over gloo (a group of 2: 2 ranks' shapes); rank
 waits. Prints the median host time per call and rank 0's cProfiles, top functions by own time.
 
 What it cannot measure: the native runtime's own host time (the pybind call into C++ and the CUDA
-launch; here a Python no-op), torch.empty through the CUDA caching allocator (here the CPU allocator,
+launch, and `wait_notify`'s conversion of its counts into Python lists, one int per local expert;
+here a Python no-op), torch.empty through the CUDA caching allocator (here the CPU allocator,
 with glibc's mmap threshold raised so that the 235 MB recv_x is not an mmap + munmap per call, as it is
 not on a GPU), the current-stream lookup (here a stand-in returning 0), and Buffer's device and stream
 handling, which on CPU is skipped (`Buffer._run` with no communication stream); nor how much slower
