@@ -73,7 +73,7 @@ suite_pass() {  # suite_pass NAME GPUS FILES...: pytest to the end on those GPUs
   local name=$1 gpus=$2; shift 2
   env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
     timeout -k 10 "$(time_left 20)" python3 -m pytest -q -rfEs --durations=10 "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? ($(grep -E "passed|failed" "$OUT/$name.log" | tail -1))" >> "$summary"
+  echo "$name: rc=$? ($(grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -1))" >> "$summary"
 }
 
 bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
