@@ -172,9 +172,10 @@ for s in $STAGES; do
       ;;
     rings)
       for ring in ${RING_CONFIGS:-1/64 2/64 2/128 2/256 4/256 9/256}; do
+        name="rings_${ring%/*}_${ring#*/}"
         printf 'combine: {nvl_chunked_send_tokens: %s, nvl_chunked_recv_tokens: %s}\n' "${ring%/*}" "${ring#*/}" \
-          > "/tmp/ring_${ring%/*}_${ring#*/}.yaml"
-        bench "rings_${ring%/*}_${ring#*/}" --config "/tmp/ring_${ring%/*}_${ring#*/}.yaml" --no-baseline --no-check
+          > "/tmp/$name.yaml"
+        bench "$name" --config "/tmp/$name.yaml" --no-baseline --no-check
       done
       bench sweep_sms_combine --sweep num_sms=16,24,32,48 --no-check $BASELINE_ARGS
       ;;
