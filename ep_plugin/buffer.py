@@ -38,12 +38,9 @@ XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 _function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
 
 
-def buffer_device(group: dist.ProcessGroup, backend: str) -> torch.device:
-    """This process's current GPU; the CPU where there is none, and for the reference backend over a
-    group whose collectives carry CPU tensors only (gloo), as on a CPU machine."""
+def buffer_device() -> torch.device:
+    """This process's current GPU, on every backend; the CPU where there is none."""
     if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if backend == "reference" and "nccl" not in str(dist.get_backend(group)).lower():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -150,7 +147,7 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = bool(enable_shrink)
-        device = buffer_device(group, settings.backend)
+        device = buffer_device()
         join_group(group, self.rank, self.group_size, settings.timeout_s)  # before the first collective
         ranks_per_node = resolve_ranks_per_node(group, settings.topology.ranks_per_node)
         self._info = GroupInfo(group=group, rank=self.rank, num_ranks=self.group_size,

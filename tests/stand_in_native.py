@@ -173,7 +173,7 @@ def stand_in_kernels(runtime: StandInLowLatencyRuntime, intranode: Optional[type
             mock.patch.object(torch.cuda, "synchronize"), \
             mock.patch.object(native_common, "_current_raw_stream", lambda device_index: 0), \
             mock.patch.object(intranode_module._C, "get_dispatch_layout", _no_layout_kernel), \
-            mock.patch.object(ep_plugin.buffer, "buffer_device", lambda group, backend: torch.device("cpu")), \
+            mock.patch.object(ep_plugin.buffer, "buffer_device", lambda: torch.device("cpu")), \
             mock.patch.object(ep_plugin.buffer, "select_backend",
                               lambda info, settings, nvl, rdma, low_latency: native.NativeBackend(
                                   info, settings, nvl, rdma, low_latency)):

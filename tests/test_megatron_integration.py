@@ -43,7 +43,11 @@ def megatron_worker(rank: int, world: int, group, seed: int, expert_tp: int):
 def launch(request):
     world, expert_tp = LAYOUTS[request.param]
     seed = BASE_SEED + world
-    return request.param, seed, parallel_launch(world, megatron_worker, seed, expert_tp, timeout_s=240)
+    # NOTE: CPU cases on GPU machines too: the spawned ranks inherit an environment that shows them no GPU.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        results = parallel_launch(world, megatron_worker, seed, expert_tp, backend="gloo", timeout_s=240)
+    return request.param, seed, results
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -383,16 +383,3 @@ def launch(request):
 def test_normal(launch, case):
     num_ranks, seed, results = launch
     assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED} (seed {seed}), {num_ranks} ranks")
-
-
-def device_rank(rank: int, num_ranks: int, group) -> List[str]:
-    """Where a reference Buffer over this gloo group puts its tensors, on this machine and on one with GPUs."""
-    from ep_plugin.buffer import buffer_device
-    here = str(buffer_device(group, "reference"))
-    torch.cuda.is_available = lambda: True  # a GPU machine, as far as the rule can tell (this process only)
-    return [here, str(buffer_device(group, "reference"))]
-
-
-def test_reference_buffers_over_gloo_keep_cpu_tensors_where_gpus_are():
-    """A gloo group carries CPU tensors only: the reference backend over it stays on the CPU, GPUs or not."""
-    assert parallel_launch(2, device_rank, backend="gloo") == [["cpu", "cpu"]] * 2
