@@ -16,8 +16,10 @@ Call it first in every process that imports Megatron (test workers, spawned rank
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import typing
+from typing import Any, Callable, List
 
 
 def megatron_core_installed() -> bool:
@@ -46,3 +48,18 @@ def prepare() -> None:
     """Apply both work-arounds (idempotent)."""
     _block_flashinfer_without_cuda()
     _backport_typing_override()
+
+
+def cpu_launch(world_size: int, fn: Callable, *args: Any, timeout_s: float) -> List[Any]:
+    """`parallel_launch` of the CPU cases over gloo, on GPU machines too: the spawned ranks inherit an
+    environment that shows them no GPU (these cases build Megatron's layers on the CPU)."""
+    from ep_plugin.launch import parallel_launch
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        return parallel_launch(world_size, fn, *args, backend="gloo", timeout_s=timeout_s)
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible

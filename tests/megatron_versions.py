@@ -41,11 +41,11 @@ def version_worker(rank: int, world: int, group, seed: int, cases):
 def _child(seed: int, with_cli: bool) -> int:
     from importlib.metadata import version
 
-    from ep_plugin.launch import parallel_launch
+    import megatron_env  # this file's directory is first on sys.path (run as a script)
 
     print(f"megatron-core {version('megatron-core')}", flush=True)
     cases = CASES + (("cli",) if with_cli else ())
-    results = parallel_launch(2, version_worker, seed, cases, timeout_s=300)
+    results = megatron_env.cpu_launch(2, version_worker, seed, cases, timeout_s=300)
     failed = 0
     for name in cases:
         errors = [result[name] for result in results if result[name]]

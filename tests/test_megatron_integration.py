@@ -20,7 +20,6 @@ import pytest
 
 import megatron_env
 from case_runner import assert_case_passed
-from ep_plugin.launch import parallel_launch
 
 pytestmark = pytest.mark.skipif(not megatron_env.megatron_core_installed(),
                                 reason="megatron-core is not installed (.ci/install_megatron.sh)")
@@ -43,11 +42,7 @@ def megatron_worker(rank: int, world: int, group, seed: int, expert_tp: int):
 def launch(request):
     world, expert_tp = LAYOUTS[request.param]
     seed = BASE_SEED + world
-    # NOTE: CPU cases on GPU machines too: the spawned ranks inherit an environment that shows them no GPU.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        results = parallel_launch(world, megatron_worker, seed, expert_tp, backend="gloo", timeout_s=240)
-    return request.param, seed, results
+    return request.param, seed, megatron_env.cpu_launch(world, megatron_worker, seed, expert_tp, timeout_s=240)
 
 
 @pytest.mark.parametrize("case", CASES)

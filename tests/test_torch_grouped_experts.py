@@ -14,7 +14,6 @@ import sys
 import pytest
 
 import megatron_env
-from ep_plugin.launch import parallel_launch
 
 pytestmark = pytest.mark.skipif(not megatron_env.megatron_core_installed(),
                                 reason="megatron-core is not installed (.ci/install_megatron.sh)")
@@ -96,7 +95,7 @@ def grouped_vs_sequential_worker(rank: int, world: int, group, seed: int):
 def test_grouped_experts_compute_what_sequential_mlp_computes():
     import torch
 
-    results = parallel_launch(1, grouped_vs_sequential_worker, SEED, timeout_s=240)[0]
+    results = megatron_env.cpu_launch(1, grouped_vs_sequential_worker, SEED, timeout_s=240)[0]
     sequential = {key: torch.tensor(value) for key, value in results["sequential"].items()}
     grouped = {key: torch.tensor(value) for key, value in results["grouped"].items()}
     for key in ("out", "x_grad", "p_grad", "fc1_grad"):
