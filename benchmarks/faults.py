@@ -401,11 +401,15 @@ def machine_name(args) -> str:
     return platform.machine() or "cpu"
 
 
-def print_table(records: List[dict]) -> None:
-    print(f"{'case':24} {'mode':12} {'s':>6}  hang  clear  survived  observed")
-    for r in records:
-        print(f"{r['name']:24} {r['mode']:12} {r['seconds']:6.1f}  {str(r['hang'])[0]:4}  {str(r['clear_error'])[0]:5}  "
-              f"{str(r['survived'])[0]:8}  {r['observed'][:110]}")
+TABLE_HEADER = f"{'case':24} {'mode':12} {'s':>6}  hang  clear  survived  observed"
+
+
+def table_row(r: dict) -> str:
+    return (f"{r['name']:24} {r['mode']:12} {r['seconds']:6.1f}  {str(r['hang'])[0]:4}  {str(r['clear_error'])[0]:5}  "
+            f"{str(r['survived'])[0]:8}  {r['observed'][:110]}")
+
+
+def print_totals(records: List[dict]) -> None:
     hangs = sum(r["hang"] for r in records)
     print(f"{len(records)} cases: {hangs} hangs, {sum(not r['clear_error'] for r in records)} unclear, "
           f"{sum(not r['survived'] for r in records)} not survived")
@@ -435,8 +439,13 @@ def main(argv=None) -> List[dict]:
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     modes = [m for m in args.modes.split(",") if m]
-    records = [run_case(name, mode, args) for name in names for mode in CASES[name].modes if mode in modes]
-    print_table(records)
+    print(TABLE_HEADER, flush=True)
+    records = []
+    for name in names:
+        for mode in (m for m in CASES[name].modes if m in modes):
+            records.append(run_case(name, mode, args))
+            print(table_row(records[-1]), flush=True)  # each row as its case ends: a long matrix shows progress
+    print_totals(records)
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"faults-{machine_name(args)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"faults": merged(out, records)}, indent=1) + "\n")
