@@ -98,7 +98,7 @@ __device__ void combine_send(const CombineArgs& a) {
       for (int src = lane; src < num_ranks; src += 32)
         if (!is_rank_masked(a.rank_mask, src))
           announce_count(a.round.combine_signals + a.rank * num_local + local,
-                       count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
+                         count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
     for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
     __syncthreads();
@@ -318,6 +318,7 @@ __device__ void reduce_token(const CombineArgs& a, int token, uint32_t skipped) 
   }
 }
 
+template <bool kShrink>
 __device__ void combine_recv(const CombineArgs& a) {
   __shared__ bool is_last_block;
   // Per token, entries whose expert's rank is masked; two, so that warp 0 fills the next token's while
@@ -335,18 +336,19 @@ __device__ void combine_recv(const CombineArgs& a) {
         if (id >= 0 && id < num_experts) {
           const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank,
                               static_cast<int>(id), 0};
-          uint64_t value;
-          skip = !wait_signal_unless_masked(a.round.combine_signals + id, site, static_cast<int>(id / num_local),
-                                            a.rank_mask, &value);
+          skip = wait_signal_unless_masked<kShrink>(a.round.combine_signals + id, site,
+                                                    static_cast<int>(id / num_local), a.rank_mask) == 0;
         }
       }
-      const uint32_t skipped = __ballot_sync(0xffffffffu, skip);
-      if (lane == 0) skipped_entries[step] = skipped;
+      if constexpr (kShrink) {
+        const uint32_t skipped = __ballot_sync(0xffffffffu, skip);
+        if (lane == 0) skipped_entries[step] = skipped;
+      }
     }
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
-    reduce_token(a, token, skipped_entries[step]);
+    reduce_token(a, token, kShrink ? skipped_entries[step] : 0u);
   }
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
@@ -365,9 +367,8 @@ __device__ void combine_recv(const CombineArgs& a) {
   for (int expert = threadIdx.x; expert < num_experts; expert += kThreads) {
     const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, expert, warp};
     uint64_t* word = a.round.combine_signals + expert;
-    uint64_t value;
     // A masked rank's words are left as they are (shrink mode: it may still add to them).
-    if (!wait_signal_unless_masked(word, site, expert / num_local, a.rank_mask, &value)) continue;
+    if (wait_signal_unless_masked<kShrink>(word, site, expert / num_local, a.rank_mask) == 0) continue;
     // NOTE: the expert's rank adds to this word again only in the combine two rounds later, after
     // this rank's dispatch of that round, i.e. causally after this kernel ended.
     st_volatile_u64(word, 0);
@@ -404,6 +405,7 @@ __device__ __forceinline__ void add_partial_quad(float (&acc)[4], const int4& lo
   for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
 }
 
+template <bool kShrink>
 __device__ void combine_recv_sums(const CombineArgs& a) {
   __shared__ uint32_t token_ranks;
   const LowLatencyLayout& layout = a.layout;
@@ -422,13 +424,12 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
       if (lane < num_ranks && (ranks >> lane & 1u)) {
         uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
         const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
-        uint64_t value;
-        lost = !wait_signal_unless_masked(word, site, lane, a.rank_mask, &value, kWaitTokenPartials);
+        lost = wait_signal_unless_masked<kShrink>(word, site, lane, a.rank_mask, kWaitTokenPartials) == 0;
         // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
         // after this kernel ended (as for the per-expert words). A masked rank's word stays as it is.
         if (!lost) st_volatile_u64(word, 0);
       }
-      const uint32_t lost_ranks = __ballot_sync(0xffffffffu, lost);
+      const uint32_t lost_ranks = kShrink ? __ballot_sync(0xffffffffu, lost) : 0u;
       if (lane == 0) token_ranks = ranks & ~lost_ranks;
     }
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
@@ -468,6 +469,8 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
   }
 }
 
+// kShrink: launched with a rank mask (args.rank_mask != nullptr).
+template <bool kShrink>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
   if (args.phases & kPhaseSend) {
     if (args.expert_sums && args.bf16_partials) {
@@ -480,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   }
   if (args.phases & kPhaseRecv) {
     if (args.expert_sums) {
-      combine_recv_sums(args);
+      combine_recv_sums<kShrink>(args);
     } else {
-      combine_recv(args);
+      combine_recv<kShrink>(args);
     }
   }
 }
@@ -492,14 +495,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_HOST_ASSERT(args.num_blocks > 0, "low-latency combine needs at least one block");
   EP_HOST_ASSERT(args.phases != 0, "low-latency combine launched with no phase");
-  combine_kernel<<<args.num_blocks, kThreads, 0, stream>>>(args);
+  if (args.rank_mask != nullptr) {
+    combine_kernel<true><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  } else {
+    combine_kernel<false><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 int combine_blocks_per_sm() {
-  int blocks = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, combine_kernel, kThreads, 0));
-  return blocks;
+  int blocks = 0, shrink_blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, combine_kernel<false>, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shrink_blocks, combine_kernel<true>, kThreads, 0));
+  return blocks < shrink_blocks ? blocks : shrink_blocks;
 }
 
 }  // namespace ep_plugin::low_latency

@@ -452,6 +452,7 @@ __device__ void publish_pair_count(const DispatchArgs& a) {
   state->dispatch_blocks_done = 0;
 }
 
+template <bool kShrink>
 __device__ void dispatch_recv(const DispatchArgs& a) {
   __shared__ int region_count[kMaxRanks];
   __shared__ int region_begin[kMaxRanks];
@@ -469,9 +470,9 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
       for (int first = 0; first < num_ranks; first += 32) {
         const int src = first + lane;
         int count = 0;  // a masked source (shrink mode) counts as 0 messages
-        uint64_t value = 0;
         uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
-        if (src < num_ranks && wait_signal_unless_masked(word, site, src, a.rank_mask, &value)) {
+        const uint64_t value = src < num_ranks ? wait_signal_unless_masked<kShrink>(word, site, src, a.rank_mask) : 0;
+        if (value != 0) {
           count = static_cast<int>(signal_expected(value));
           if (signal_layout_tag(value) != own_tag) report_layout_mismatch(a, src, expert, value);
           if (signal_route_mode(value) != own_mode) report_route_mismatch(a, src, expert, value);
@@ -514,11 +515,13 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
   if (a.carry_route) publish_pair_count(a);
 }
 
+// kShrink: launched with a rank mask (args.rank_mask != nullptr).
+template <bool kShrink>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
   if (args.phases & kPhaseSend) {
     dispatch_send(args);
   }
-  if (args.phases & kPhaseRecv) dispatch_recv(args);
+  if (args.phases & kPhaseRecv) dispatch_recv<kShrink>(args);
 }
 
 }  // namespace
@@ -526,14 +529,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_HOST_ASSERT(args.num_blocks > 0, "low-latency dispatch needs at least one block");
   EP_HOST_ASSERT(args.phases != 0, "low-latency dispatch launched with no phase");
-  dispatch_kernel<<<args.num_blocks, kThreads, 0, stream>>>(args);
+  if (args.rank_mask != nullptr) {
+    dispatch_kernel<true><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  } else {
+    dispatch_kernel<false><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 int dispatch_blocks_per_sm() {
-  int blocks = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dispatch_kernel, kThreads, 0));
-  return blocks;
+  int blocks = 0, shrink_blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dispatch_kernel<false>, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shrink_blocks, dispatch_kernel<true>, kThreads, 0));
+  return blocks < shrink_blocks ? blocks : shrink_blocks;
 }
 
 }  // namespace ep_plugin::low_latency

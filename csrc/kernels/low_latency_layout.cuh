@@ -385,7 +385,8 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const Wait
 // between calls and by these waits), a call skips every masked rank: no message, count or row goes to
 // it, no wait waits for it (its messages count as 0, its experts' outputs as zero). A wait whose peer
 // does not answer within timeout_s masks the peer (atomic exchange; the first one prints it) and the
-// call goes on without it, instead of trapping. Without a mask (nullptr) every path is as before.
+// call goes on without it, instead of trapping. Without a mask (nullptr) the kernels launch their
+// instances without the masked waits (kShrink = false, below) and trap as before.
 // NOTE: a masked peer's signal words are neither waited for nor reset: a peer that is still alive may
 // add to them late. They are zero again only after clean_low_latency_buffer (docs/faults.md).
 __device__ __forceinline__ bool is_rank_masked(const int* rank_mask, int rank) {
@@ -398,29 +399,35 @@ __device__ __noinline__ inline void mask_silent_peer(const WaitSite& site, int k
            site.rank, peer, site.op, kind, site.channel);
 }
 
-// Spins (one thread) until `word` is complete (true; the word in *value) or `peer` is masked (false):
-// masked before the wait or during it by another wait of this rank, or by this wait once timeout_s
-// passes. Without a mask, or for this rank's own word, it is wait_signal (traps past the timeout).
-__device__ __forceinline__ bool wait_signal_unless_masked(const uint64_t* word, const WaitSite& site, int peer,
-                                                          int* rank_mask, uint64_t* value,
-                                                          int kind = kWaitExpertMessages) {
-  if (rank_mask == nullptr || peer == site.rank) {
-    *value = wait_signal(word, site, peer, kind);
-    return true;
-  }
+// The shrink-mode wait (a mask given, a peer's word): the complete word, or 0 (never a complete word:
+// those have kFinishBit) once `peer` is masked, before the wait or during it by another wait of this
+// rank, or by this wait once timeout_s passes. Out of line: the waits without a mask stay as they were.
+__device__ __noinline__ inline uint64_t wait_signal_or_mask(const uint64_t* word, const WaitSite& site, int peer,
+                                                            int* rank_mask, int kind) {
   Deadline deadline(site);
   for (uint32_t spins = 0;; ++spins) {
-    if (spins % kSpinsPerClaimRead == 0 && is_rank_masked(rank_mask, peer)) return false;
-    const uint64_t loaded = ld_acquire_sys(word);
-    if (signal_complete(loaded)) {
-      *value = loaded;
-      return true;
-    }
+    if (spins % kSpinsPerClaimRead == 0 && is_rank_masked(rank_mask, peer)) return 0;
+    const uint64_t value = ld_acquire_sys(word);
+    if (signal_complete(value)) return value;
     if (deadline.passed()) {
       mask_silent_peer(site, kind, peer, rank_mask);
-      return false;
+      return 0;
     }
   }
+}
+
+// Spins (one thread) until `word` is complete and returns it, or, in a kernel launched with a rank mask
+// (kShrink), returns 0 once `peer` is masked. Without a mask, or for this rank's own word, it is
+// wait_signal (traps past the timeout). The kernels take kShrink as a template parameter: their
+// instances without a mask compile exactly as without shrink mode (a call out of line would cost
+// registers spilled around it in every wait loop).
+template <bool kShrink>
+__device__ __forceinline__ uint64_t wait_signal_unless_masked(const uint64_t* word, const WaitSite& site, int peer,
+                                                              int* rank_mask, int kind = kWaitExpertMessages) {
+  if constexpr (kShrink) {
+    if (peer != site.rank) return wait_signal_or_mask(word, site, peer, rank_mask, kind);
+  }
+  return wait_signal(word, site, peer, kind);
 }
 
 // After the warp has stored a message straight into `pe`'s memory: add `value` to `signal`
