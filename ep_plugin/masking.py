@@ -1,6 +1,6 @@
 """Rank masking for low-latency mode (DeepEP V1's shrink mode): decode keeps serving with a rank gone.
 
-A `Buffer(..., low_latency_mode=True, enable_shrink=True)` holds a `RankMask`: one flag per rank
+A `Buffer(..., low_latency_mode=True, enable_shrink=True)` holds a mask (`attach`): one flag per rank
 of the group, local to this rank (as DeepEP's mask buffer: ranks do not agree on it by themselves).
 While rank m is masked here, this rank's low-latency calls skip it:
 - `low_latency_dispatch` sends no token to m's experts and receives none from m (m's tokens are
@@ -31,6 +31,7 @@ stream, in order with the calls on it. What a masked peer can still do (csrc/ker
   combine. Mask a live rank on both sides, before the same call, to keep it out.
 - Its signal words may hold stale counts: before a masked rank takes part again (update(r, False) or
   clean), call `clean_low_latency_buffer` on every rank (a collective of the whole group, all alive).
+  Ranks that masked each other before the same call exchanged nothing and need no clean.
 Do not change the mask between a dispatch and its combine (the combine would wait for rows that a
 rank masked at the dispatch never got).
 """
