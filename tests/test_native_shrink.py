@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Set
 
 import pytest
 import torch
@@ -162,7 +162,7 @@ def tagged(what: str, failures: List[str]) -> List[str]:
 
 
 # ---- masked by the API ---------------------------------------------------------------------------------
-def graph_round(buffer: Buffer, rank: int, R: int, seed: int, wants: Dict[str, Dict]) -> List[str]:
+def graph_round(buffer: Buffer, group, rank: int, R: int, seed: int, wants: Dict[str, Dict]) -> List[str]:
     """A dispatch + combine captured once with no rank masked, replayed with and without the mask: each
     replay reads the mask of the moment."""
     x, ids, weights = (t.cuda() for t in inputs(rank, R, seed))
@@ -180,7 +180,7 @@ def graph_round(buffer: Buffer, rank: int, R: int, seed: int, wants: Dict[str, D
     for name in ("masked", "unmasked", "masked"):
         set_mask(buffer, rank, R, masked=name == "masked")
         torch.cuda.synchronize()
-        dist.barrier()
+        dist.barrier(group=group)
         recv_x.fill_(float("nan"))
         recv_count.fill_(-1)
         combined.fill_(float("nan"))
@@ -212,12 +212,12 @@ def api_rank(rank: int, R: int, group, seed: int) -> Dict:
                    "masked": expected(rank, R, seed + 4, masked, masked)}
     buffer = make_buffer(group, R)
     failures, seconds = [], {}
-    dist.barrier()
+    dist.barrier(group=group)
     seconds["unmasked"], found = ll_round(buffer, rank, R, seed, wants[0])
     failures += tagged("unmasked", found)
     set_mask(buffer, rank, R, masked=True)
     status_masked = query(buffer, R)
-    dist.barrier()
+    dist.barrier(group=group)
     seconds["masked"], found = ll_round(buffer, rank, R, seed + 1, wants[1])
     failures += tagged("masked", found)
     seconds["masked_expert_sums"], found = ll_round(buffer, rank, R, seed + 2, wants[2], expert_sums=True)
@@ -225,10 +225,10 @@ def api_rank(rank: int, R: int, group, seed: int) -> Dict:
     status_after = query(buffer, R)  # no wait timed out: the API's mask only
     buffer.low_latency_clean_mask_buffer()
     status_clean = query(buffer, R)
-    dist.barrier()
+    dist.barrier(group=group)
     seconds["cleaned"], found = ll_round(buffer, rank, R, seed + 3, wants[3])
     failures += tagged("after clean", found)
-    failures += graph_round(buffer, rank, R, seed + 4, graph_wants)
+    failures += graph_round(buffer, group, rank, R, seed + 4, graph_wants)
     torch.cuda.synchronize()
     buffer.destroy()
     return dict(failures=failures, seconds=seconds, masked=sorted(masked), status_masked=status_masked,
@@ -257,11 +257,11 @@ def exiting_rank(rank: int, R: int, group, seed: int, before: str) -> object:
     wants = [expected(rank, R, seed, set(), set()), expected(rank, R, seed + 1, dispatch_masked, {gone}),
              expected(rank, R, seed + 2, {gone}, {gone})]
     buffer = make_buffer(group, R)
-    dist.barrier()
+    dist.barrier(group=group)
     _, failures = ll_round(buffer, rank, R, seed, wants[0])
     failures = tagged("all ranks", failures)
     torch.cuda.synchronize()
-    dist.barrier()  # the last collective: a peer exits after it
+    dist.barrier(group=group)  # the last collective: a peer exits after it
     if rank == gone:
         if before == "combine":
             x, ids, _ = (t.cuda() for t in inputs(rank, R, seed + 1))
