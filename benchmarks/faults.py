@@ -236,13 +236,30 @@ def subset_buffer(ctx: Ctx) -> dict:
     return checked_round(ctx)
 
 
-def masked_exit(ctx: Ctx) -> dict:
-    """Shrink mode: the culprit exits; the others finish with it masked, twice."""
-    if ctx.rank == ctx.culprit:
-        finish_rank({"outcome": "exited"})
-    first = checked_round(ctx, 0, masked=(ctx.culprit,))
-    second = checked_round(ctx, 1, masked=(ctx.culprit,))
-    return {"outcome": "ok", "correct": first["correct"] and second["correct"]}
+def masked(fault: str):
+    """Shrink mode: the culprit exits (before the dispatch, or after it before the combine) or stalls past
+    timeout_s; the others mask it and finish two rounds with it masked. The stalled culprit calls once its
+    peers have masked it (they stay alive meanwhile): it masks them in turn and gets its own experts'
+    outputs only. (A rank that skips a call without stalling pairs its next call with its peers' skipped
+    one, masked or not: see skip_one_call.)"""
+    def run(ctx: Ctx) -> dict:
+        others = tuple(r for r in range(ctx.world) if r != ctx.rank)
+        if ctx.rank == ctx.culprit:
+            if fault == "exit_before_dispatch":
+                finish_rank({"outcome": "exited"})
+            if fault == "exit_before_combine":
+                x, ids, weights = ctx.inputs(0)
+                dispatch(ctx, x, ids, weights)
+                sync(ctx)
+                finish_rank({"outcome": "exited"})
+            time.sleep(ctx.timeout_s + 2.0)  # stall_past_timeout
+            return checked_round(ctx, 0, masked=others)
+        first = checked_round(ctx, 0, masked=(ctx.culprit,))
+        second = checked_round(ctx, 1, masked=(ctx.culprit,))
+        if fault == "stall_past_timeout":
+            time.sleep(2 * ctx.timeout_s + 4.0)  # alive while the culprit's late call runs
+        return {"outcome": "ok", "correct": first["correct"] and second["correct"]}
+    return run
 
 
 CASES: Dict[str, Case] = {case.name: case for case in [
@@ -271,8 +288,14 @@ CASES: Dict[str, Case] = {case.name: case for case in [
     Case("subset_buffer", ("normal", "low_latency"),
          "the ranks with a Buffer raise an error naming the absent rank", subset_buffer),
     Case("masked_exit", ("low_latency",),
-         "shrink mode: the others mask the rank and finish with correct results", masked_exit,
+         "shrink mode: the others mask the rank and finish with correct results", masked("exit_before_dispatch"),
          error_needed=False),
+    Case("masked_exit_before_combine", ("low_latency",),
+         "shrink mode: the others mask the rank in the combine and finish with correct results",
+         masked("exit_before_combine"), error_needed=False),
+    Case("masked_stall_past_timeout", ("low_latency",),
+         "shrink mode: the others mask the rank and finish with correct results; the late rank masks them",
+         masked("stall_past_timeout"), error_needed=False),
 ]}
 
 
@@ -299,7 +322,7 @@ def case_rank(rank: int, world: int, group, name: str, mode: str, backend: str, 
     ctx = None
     try:
         create = name not in ("subset_buffer", "buffer_too_small")
-        ctx = Ctx(rank, world, group, mode, backend, timeout_s, shrink=name == "masked_exit", create=create)
+        ctx = Ctx(rank, world, group, mode, backend, timeout_s, shrink=name.startswith("masked_"), create=create)
         seen = case.run(ctx)
     except Exception as error:  # noqa: BLE001 - the error is the observation
         buffer = getattr(ctx, "buffer", None)

@@ -242,6 +242,7 @@ void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cud
   check_pointer(args.recv_layout, "recv_layout");
   check_pointer(args.cumulative_stats, "cumulative_local_expert_recv_stats", false);
   check_pointer(args.topk_weights, "topk_weights", args.carry_route && tokens);
+  check_pointer(args.rank_mask, "rank_mask", false);
   EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
   EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
                "x has " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "
@@ -274,6 +275,7 @@ void LowLatencyRuntime::combine(low_latency::CombineArgs args, int parity, cudaS
   check_pointer(args.topk_idx, "topk_idx", tokens);
   check_pointer(args.topk_weights, "topk_weights", tokens);
   check_pointer(args.out, "out", tokens, 16);
+  check_pointer(args.rank_mask, "rank_mask", false);
   EP_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
   EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= args.layout.num_max_tokens,
                "combine for " << args.num_tokens << " tokens, more than num_max_dispatch_tokens_per_rank = "

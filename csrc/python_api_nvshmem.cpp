@@ -82,6 +82,7 @@ void bind_low_latency_dispatch_args(py::module_& m) {
   bind_address(cls, "recv_layout", &Args::recv_layout);
   bind_address(cls, "cumulative_local_expert_recv_stats", &Args::cumulative_stats);
   bind_address(cls, "topk_weights", &Args::topk_weights);
+  bind_address(cls, "rank_mask", &Args::rank_mask);
 }
 
 void bind_low_latency_combine_args(py::module_& m) {
@@ -100,6 +101,7 @@ void bind_low_latency_combine_args(py::module_& m) {
   bind_address(cls, "topk_idx", &Args::topk_idx);
   bind_address(cls, "topk_weights", &Args::topk_weights);
   bind_address(cls, "out", &Args::out);
+  bind_address(cls, "rank_mask", &Args::rank_mask);
 }
 
 // ---- internode ----------------------------------------------------------------------------------

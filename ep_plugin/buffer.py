@@ -784,7 +784,7 @@ class Buffer:
         return combined_x, event, hook
 
     # ---- rank masking (DeepEP's shrink mode) ------------------------------------------------------
-    def _mask(self) -> masking.RankMask:
+    def _mask(self) -> Union[masking.RankMask, masking.DeviceRankMask]:
         """The rank mask (ep_plugin/masking.py); a Buffer without enable_shrink has none, as in DeepEP."""
         if self._rank_mask is None:
             raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")

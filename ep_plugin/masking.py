@@ -1,6 +1,6 @@
 """Rank masking for low-latency mode (DeepEP V1's shrink mode): decode keeps serving with a rank gone.
 
-A `Buffer(..., low_latency_mode=True, enable_shrink=True)` holds a `RankMask`: one flag per rank
+A `Buffer(..., low_latency_mode=True, enable_shrink=True)` holds a mask (`attach`): one flag per rank
 of the group, local to this rank (as DeepEP's mask buffer: ranks do not agree on it by themselves).
 While rank m is masked here, this rank's low-latency calls skip it:
 - `low_latency_dispatch` sends no token to m's experts and receives none from m (m's tokens are
@@ -14,9 +14,26 @@ While rank m is masked here, this rank's low-latency calls skip it:
 clears all, `low_latency_query_mask_buffer(status)` writes them into an int32 `[num_ranks]` tensor
 (1 = masked). Normal mode ignores the mask.
 
-The reference backend moves a masked Buffer's low-latency rows point to point (`MaskedExchange`)
-among the unmasked ranks, each receive with a deadline. Every unmasked pair must make the same
-sequence of masked exchanges since the last clean (messages are matched by that count).
+The reference backend (`RankMask`) moves a masked Buffer's low-latency rows point to point
+(`MaskedExchange`) among the unmasked ranks, each receive with a deadline. Every unmasked pair must
+make the same sequence of masked exchanges since the last clean (messages are matched by that count).
+
+The native backend (`DeviceRankMask`) keeps the flags in an int32 `[num_ranks]` tensor on this rank's
+GPU that its low-latency kernels read at every call (a CUDA graph replays with the current mask) and
+write when a wait for a peer passes `timeout_s` (the peer is masked on the device, printed, and the
+kernel goes on: no trap, the CUDA context stays usable). Update, query and clean run on the current
+stream, in order with the calls on it. What a masked peer can still do (csrc/kernels/low_latency_layout.cuh):
+- A dead peer writes nothing more: the survivors are safe for as long as it stays masked.
+- A live peer (masked by hand on one side only, or stalled past `timeout_s` and then resumed) may still
+  write into this rank's buffer for the calls it is in. Its signal words are neither read nor reset
+  while it is masked, and its own regions are not read; but a token payload it sends late lands in the
+  area that this round's combine stages from (with zero_copy: the expert outputs) and can corrupt that
+  combine. Mask a live rank on both sides, before the same call, to keep it out.
+- Its signal words may hold stale counts: before a masked rank takes part again (update(r, False) or
+  clean), call `clean_low_latency_buffer` on every rank (a collective of the whole group, all alive).
+  Ranks that masked each other before the same call exchanged nothing and need no clean.
+Do not change the mask between a dispatch and its combine (the combine would wait for rows that a
+rank masked at the dispatch never got).
 """
 from __future__ import annotations
 
@@ -26,6 +43,21 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def _check_update(rank: int, num_ranks: int, rank_to_mask: int, mask: bool) -> None:
+    if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < num_ranks:
+        raise ValueError(f"rank_to_mask must be a rank in [0, {num_ranks}), got {rank_to_mask!r}")
+    if rank_to_mask == rank and mask:
+        raise ValueError(f"rank_to_mask = {rank_to_mask} is this rank; a rank cannot mask itself")
+
+
+def _check_status(num_ranks: int, mask_status: torch.Tensor) -> None:
+    if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 or \
+            tuple(mask_status.shape) != (num_ranks,):
+        got = (f"{mask_status.dtype} {tuple(mask_status.shape)}" if isinstance(mask_status, torch.Tensor)
+               else type(mask_status).__name__)
+        raise ValueError(f"mask_status must be an int32 tensor of shape ({num_ranks},), got {got}")
 
 
 class RankMask:
@@ -39,20 +71,12 @@ class RankMask:
 
     def update(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (mask=True) or unmask `rank_to_mask` for this rank's later low-latency calls."""
-        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or \
-                not 0 <= rank_to_mask < self.num_ranks:
-            raise ValueError(f"rank_to_mask must be a rank in [0, {self.num_ranks}), got {rank_to_mask!r}")
-        if rank_to_mask == self.rank and mask:
-            raise ValueError(f"rank_to_mask = {rank_to_mask} is this rank; a rank cannot mask itself")
+        _check_update(self.rank, self.num_ranks, rank_to_mask, mask)
         self.masked[rank_to_mask] = bool(mask)
 
     def query(self, mask_status: torch.Tensor) -> None:
         """Write the flags into `mask_status`: int32 `[num_ranks]`, 1 where a rank is masked."""
-        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 or \
-                tuple(mask_status.shape) != (self.num_ranks,):
-            got = (f"{mask_status.dtype} {tuple(mask_status.shape)}" if isinstance(mask_status, torch.Tensor)
-                   else type(mask_status).__name__)
-            raise ValueError(f"mask_status must be an int32 tensor of shape ({self.num_ranks},), got {got}")
+        _check_status(self.num_ranks, mask_status)
         mask_status.copy_(torch.tensor(self.masked, dtype=torch.int32))
 
     def clean(self) -> None:
@@ -70,6 +94,30 @@ class RankMask:
         valid = (topk_idx >= 0) & (topk_idx < num_experts)
         owner = torch.where(valid, topk_idx // num_local_experts, 0)
         return valid & owner_masked[owner]
+
+
+class DeviceRankMask:
+    """The native backend's mask: `flags`, int32 `[num_ranks]` on `device` (1 = masked), read by the
+    low-latency kernels at every call and set by them when a peer misses `timeout_s`."""
+
+    def __init__(self, rank: int, num_ranks: int, device: torch.device) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.flags = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+
+    def update(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask `rank_to_mask` for this rank's later low-latency calls (current stream)."""
+        _check_update(self.rank, self.num_ranks, rank_to_mask, mask)
+        self.flags[rank_to_mask] = int(bool(mask))
+
+    def query(self, mask_status: torch.Tensor) -> None:
+        """Copy the flags into `mask_status` (int32 `[num_ranks]`, 1 where a rank is masked; current stream)."""
+        _check_status(self.num_ranks, mask_status)
+        mask_status.copy_(self.flags)
+
+    def clean(self) -> None:
+        """Unmask every rank (current stream)."""
+        self.flags.zero_()
 
 
 class MaskedExchange:
@@ -192,15 +240,19 @@ def without_lost_sources(backend, received: torch.Tensor, recv_counts: List[int]
 
 
 def attach(backend, enable_shrink: bool) -> Optional[RankMask]:
-    """A Buffer's RankMask (None without `enable_shrink`), handed to its backend.
+    """A Buffer's mask (None without `enable_shrink`), handed to its backend: a RankMask for the
+    reference backend, a DeviceRankMask for one with `device_rank_mask` (the native backend).
 
-    Raises NotImplementedError for a backend without masking: the native low-latency kernels do not
-    mask yet (select `backend: reference` for shrink mode until they do).
+    Raises NotImplementedError for a backend without masking.
     """
     if not enable_shrink:
         return None
+    info = backend.info
+    if hasattr(type(backend), "device_rank_mask"):
+        backend.device_rank_mask = DeviceRankMask(info.rank, info.num_ranks, info.device)
+        return backend.device_rank_mask
     if not hasattr(type(backend), "rank_mask"):
-        raise NotImplementedError(f"enable_shrink=True: the {backend.name} backend cannot mask ranks yet; "
-                                  "use backend: reference for shrink mode")
-    backend.rank_mask = RankMask(backend.info.rank, backend.info.num_ranks)
+        raise NotImplementedError(f"enable_shrink=True: the {backend.name} backend cannot mask ranks; "
+                                  "use backend: reference or native for shrink mode")
+    backend.rank_mask = RankMask(info.rank, info.num_ranks)
     return backend.rank_mask

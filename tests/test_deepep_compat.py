@@ -252,8 +252,8 @@ class Ctx:
         self.normal = Buffer(group, hint, 0, False, 24, True, False, False, True, False,
                              config={"backend": backend})
         rdma = Buffer.get_low_latency_rdma_size_hint(T_MAX, H, R, E)
-        # Shrink mode (rank masking) exists on the reference backend only (case_mask_buffer).
-        self.ll = Buffer(group, 0, rdma, True, explicitly_destroy=True, enable_shrink=backend == "reference",
+        # Shrink mode (rank masking, case_mask_buffer): every low-latency case runs with a mask.
+        self.ll = Buffer(group, 0, rdma, True, explicitly_destroy=True, enable_shrink=True,
                          config={"backend": backend})
 
     def inputs(self) -> List[Dict[str, torch.Tensor]]:
@@ -438,15 +438,6 @@ def case_zero_copy(ctx: Ctx) -> None:
 
 def case_mask_buffer(ctx: Ctx) -> None:
     status = torch.full((ctx.R,), 7, dtype=torch.int32, device=ctx.device)
-    if ctx.backend != "reference":
-        # Refused at construction, the buffer released again on every rank (a normal-mode one: one
-        # NVSHMEM per process, held by ctx.ll).
-        with pytest.raises(NotImplementedError, match="enable_shrink=True: the native backend cannot mask"):
-            Buffer(ctx.group, ctx.nvl_bytes, 0, False, explicitly_destroy=True, enable_shrink=True,
-                   config={"backend": "native"})
-        with pytest.raises(RuntimeError, match="enable_shrink=True"):
-            ctx.ll.low_latency_query_mask_buffer(status)
-        return
     with pytest.raises(RuntimeError, match="enable_shrink=True"):
         ctx.normal.low_latency_clean_mask_buffer()
     with pytest.raises(ValueError, match="rank_to_mask"):

@@ -77,7 +77,7 @@ def case_fp8_dispatch_and_combine(ctx: Ctx) -> None:
                    round_scale=False, use_ue8m0=False, recv_x=data.data_ptr(), recv_scales=scales.data_ptr(),
                    recv_count=recv_count.data_ptr(), recv_src_info=handle.recv_src_info.data_ptr(),
                    recv_layout=handle[1].data_ptr(), cumulative_local_expert_recv_stats=0, topk_weights=0,
-                   carry_route=False, phases=SEND_RECV)
+                   carry_route=False, phases=SEND_RECV, rank_mask=0)
 
     expert_out, weights = ctx.expert_outputs(), torch.rand(x.size(0), TOPK, generator=ctx.gen)
     combined, _, hook = ctx.buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
@@ -88,7 +88,7 @@ def case_fp8_dispatch_and_combine(ctx: Ctx) -> None:
                    topk_weights=weights.data_ptr(), out=combined.data_ptr(), num_tokens=x.size(0), num_topk=TOPK,
                    hidden=HIDDEN, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=T_MAX,
                    recv_src_info=fields["recv_src_info"], recv_layout=fields["recv_layout"], expert_sums=False,
-                   phases=SEND_RECV)
+                   phases=SEND_RECV, rank_mask=0)
 
     ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, use_fp8=True)
     assert ctx.launch()[2] == 1 - parity, "consecutive dispatches must use alternate rounds"
@@ -210,3 +210,56 @@ def results():
 @pytest.mark.parametrize("case", CASES)
 def test_low_latency_host(results, case):
     assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED}")
+
+
+# ---- shrink mode: the kernels get the Buffer's mask ---------------------------------------------------
+def shrink_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, object]:
+    """With enable_shrink, every launch (send, receive, hook) carries the address of the backend's [R] int32
+    mask, which update / query / clean read and write."""
+    runtime = RecordingLowLatencyRuntime()
+    with stand_in_kernels(runtime):
+        rdma = Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, num_ranks, NUM_EXPERTS)
+        buffer = Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+        try:
+            ctx = Ctx(rank, num_ranks, buffer, runtime, seed)
+            flags = buffer._backend.device_rank_mask.flags
+            assert flags.dtype == torch.int32 and flags.shape == (num_ranks,)
+            other = 1 - rank
+            buffer.low_latency_update_mask_buffer(other, True)
+            status = torch.full((num_ranks,), 7, dtype=torch.int32)
+            buffer.low_latency_query_mask_buffer(status)
+            masked = status.tolist()
+            x, topk_idx = ctx.inputs()
+            recv_x, _, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                     return_recv_hook=True)
+            hook()
+            weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+            buffer.low_latency_combine(ctx.expert_outputs(), topk_idx, weights, handle)
+            launches = [(operation, fields["phases"], fields["rank_mask"]) for operation, fields, _ in runtime.launches]
+            buffer.low_latency_clean_mask_buffer()
+            buffer.low_latency_query_mask_buffer(status)
+            errors = []
+            for call in (lambda: buffer.low_latency_update_mask_buffer(num_ranks, True),
+                         lambda: buffer.low_latency_update_mask_buffer(rank, True),
+                         lambda: buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64))):
+                try:
+                    call()
+                    errors.append("no error")
+                except (TypeError, ValueError) as error:
+                    errors.append(str(error))
+            return dict(address=flags.data_ptr(), launches=launches, masked=masked, cleaned=status.tolist(),
+                        errors=errors, other=other)
+        finally:
+            buffer.destroy()
+
+
+def test_shrink_mode_hands_the_kernels_its_mask():
+    results = parallel_launch(2, shrink_worker, BASE_SEED, backend="gloo", timeout_s=120)
+    send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
+    for rank, result in enumerate(results):
+        assert result["launches"] == [("dispatch", send, result["address"]), ("dispatch", recv, result["address"]),
+                                      ("combine", SEND_RECV, result["address"])], result
+        assert result["masked"] == [int(r == result["other"]) for r in range(2)], result
+        assert result["cleaned"] == [0, 0], result
+        bad_rank, itself, bad_status = result["errors"]
+        assert "rank_to_mask" in bad_rank and "cannot mask itself" in itself and "mask_status" in bad_status, result

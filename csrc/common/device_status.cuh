@@ -3,7 +3,8 @@
 // Every device spin-wait goes through `Deadline`: past the configured timeout it records rank,
 // peer, channel and warp here and prints them. The intranode kernels then leave (`expired`): every
 // other wait of this rank stops once the error is claimed, and the host raises from the record. The
-// NVSHMEM kernels (low-latency, internode) trap instead (`check`): see docs/faults.md.
+// NVSHMEM kernels (low-latency, internode) trap instead (`check`), except low-latency waits in shrink
+// mode, which mask the peer (`passed`, low_latency_layout.cuh): see docs/faults.md.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +79,9 @@ class Deadline {
                    expected, observed);
     return true;
   }
+
+  // Whether the timeout has passed (no report: the caller decides what follows).
+  __device__ __forceinline__ bool passed() const { return global_timer_ns() - start_ > site_->timeout_ns; }
 
   // Past the timeout: records, prints and traps (the NVSHMEM kernels: their process cannot recover anyway).
   __device__ __forceinline__ void check(int kind, int peer, int64_t expected, int64_t observed) const {

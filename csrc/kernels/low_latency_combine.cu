@@ -21,6 +21,9 @@
 // how many there are. The
 // token side waits for the partial of every rank holding one of its experts and adds them in rank
 // order. The weights are the ones the dispatch carried.
+//
+// Shrink mode (a rank mask, low_latency_layout.cuh): the send skips rows and counts for masked source
+// ranks; the receive does not wait for a masked rank's experts (or partial) and counts them as zero.
 
 #include <type_traits>
 
@@ -54,6 +57,7 @@ __device__ void send_row_piece(const CombineArgs& a, int local, int slot, int pi
   const int64_t index = static_cast<int64_t>(local) * layout.num_slots() + slot;
   const int info = a.recv_src_info[index];
   const int src = info >> kSourceRowBits;
+  if (is_rank_masked(a.rank_mask, src)) return;  // shrink mode: nothing goes back to a masked rank
   const int64_t dst_row = info & ((1 << kSourceRowBits) - 1);
   const uint8_t* row = static_cast<const uint8_t*>(a.x) + index * row_bytes + offset;
   uint8_t* dst = a.round.data + layout.combine_recv_offset() + dst_row * row_bytes + offset;  // symmetric address
@@ -92,8 +96,9 @@ __device__ void combine_send(const CombineArgs& a) {
     const int pieces = row_pieces(total, row_units);
     if (warp == kWarps - 1) {
       for (int src = lane; src < num_ranks; src += 32)
-        announce_count(a.round.combine_signals + a.rank * num_local + local,
-                       count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
+        if (!is_rank_masked(a.rank_mask, src))
+          announce_count(a.round.combine_signals + a.rank * num_local + local,
+                         count_signal(static_cast<uint32_t>(regions[src] & 0xffffffff) * pieces), src);
     }
     for (int src = threadIdx.x; src < num_ranks; src += kThreads) pieces_to[src] = 0;
     __syncthreads();
@@ -255,8 +260,9 @@ __device__ void combine_send_sums(const CombineArgs& a) {
   const int32_t* pairs = reinterpret_cast<const int32_t*>(a.round.data + layout.pair_list_offset());
   for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < num_pairs * pieces; item += num_warps) {
     const int pair = __ldg(pairs + item / pieces);
-    send_partial_piece<kChannels>(a, pair / layout.num_max_tokens, pair % layout.num_max_tokens, item % pieces,
-                                  pieces);
+    const int src = pair / layout.num_max_tokens;
+    if (is_rank_masked(a.rank_mask, src)) continue;  // shrink mode: no partial to a masked rank
+    send_partial_piece<kChannels>(a, src, pair % layout.num_max_tokens, item % pieces, pieces);
   }
 }
 
@@ -268,7 +274,8 @@ constexpr int kReduceBatch = 8;  // top-k rows loaded before the first is summed
 // reference computes it (no FMA contraction), then rounded to bf16.
 // NOTE: the rows of a batch are loaded before any is summed (the loads are volatile, so the
 // compiler keeps their order); the sum itself stays in k order.
-__device__ void reduce_token(const CombineArgs& a, int token) {
+// `skipped`: bit k set where entry k's expert is on a masked rank (shrink mode): it adds nothing.
+__device__ void reduce_token(const CombineArgs& a, int token, uint32_t skipped) {
   const LowLatencyLayout& layout = a.layout;
   const int num_topk = a.num_topk, num_experts = layout.num_experts;
   const int64_t row_bytes = layout.row_bytes();
@@ -288,7 +295,7 @@ __device__ void reduce_token(const CombineArgs& a, int token) {
 #pragma unroll
       for (int j = 0; j < kReduceBatch; ++j) {
         const int k = first + j;
-        if (k >= num_topk) continue;
+        if (k >= num_topk || (skipped >> k & 1u)) continue;
         const int64_t id = __ldg(ids + k);
         if (id < 0 || id >= num_experts) continue;
         loaded |= 1u << j;
@@ -311,25 +318,37 @@ __device__ void reduce_token(const CombineArgs& a, int token) {
   }
 }
 
+template <bool kShrink>
 __device__ void combine_recv(const CombineArgs& a) {
   __shared__ bool is_last_block;
+  // Per token, entries whose expert's rank is masked; two, so that warp 0 fills the next token's while
+  // the other warps still read this one's (the barrier of every token keeps them one token apart).
+  __shared__ uint32_t skipped_entries[2];
   const LowLatencyLayout& layout = a.layout;
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
 
-  for (int token = blockIdx.x; token < a.num_tokens; token += a.num_blocks) {
-    if (warp == 0 && lane < a.num_topk) {
-      const int64_t id = __ldg(a.topk_idx + static_cast<int64_t>(token) * a.num_topk + lane);
-      if (id >= 0 && id < num_experts) {
-        const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank,
-                            static_cast<int>(id), 0};
-        wait_signal(a.round.combine_signals + id, site, static_cast<int>(id / num_local));
+  for (int token = blockIdx.x, step = 0; token < a.num_tokens; token += a.num_blocks, step ^= 1) {
+    if (warp == 0) {
+      bool skip = false;
+      if (lane < a.num_topk) {
+        const int64_t id = __ldg(a.topk_idx + static_cast<int64_t>(token) * a.num_topk + lane);
+        if (id >= 0 && id < num_experts) {
+          const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank,
+                              static_cast<int>(id), 0};
+          skip = wait_signal_unless_masked<kShrink>(a.round.combine_signals + id, site,
+                                                    static_cast<int>(id / num_local), a.rank_mask) == 0;
+        }
+      }
+      if constexpr (kShrink) {
+        const uint32_t skipped = __ballot_sync(0xffffffffu, skip);
+        if (lane == 0) skipped_entries[step] = skipped;
       }
     }
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the rows' bytes before the
     // reduction's loads (L2 only: ld.cg).
     __syncthreads();
-    reduce_token(a, token);
+    reduce_token(a, token, kShrink ? skipped_entries[step] : 0u);
   }
 
   // Reset this round's words once no block reads them any more. The last block to arrive waits
@@ -348,7 +367,8 @@ __device__ void combine_recv(const CombineArgs& a) {
   for (int expert = threadIdx.x; expert < num_experts; expert += kThreads) {
     const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, expert, warp};
     uint64_t* word = a.round.combine_signals + expert;
-    wait_signal(word, site, expert / num_local);
+    // A masked rank's words are left as they are (shrink mode: it may still add to them).
+    if (wait_signal_unless_masked<kShrink>(word, site, expert / num_local, a.rank_mask) == 0) continue;
     // NOTE: the expert's rank adds to this word again only in the combine two rounds later, after
     // this rank's dispatch of that round, i.e. causally after this kernel ended.
     st_volatile_u64(word, 0);
@@ -385,6 +405,7 @@ __device__ __forceinline__ void add_partial_quad(float (&acc)[4], const int4& lo
   for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
 }
 
+template <bool kShrink>
 __device__ void combine_recv_sums(const CombineArgs& a) {
   __shared__ uint32_t token_ranks;
   const LowLatencyLayout& layout = a.layout;
@@ -399,15 +420,17 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
         if (id >= 0 && id < layout.num_experts) rank_bit = 1u << (id / num_local);
       }
       const uint32_t ranks = __reduce_or_sync(0xffffffffu, rank_bit);
+      bool lost = false;  // shrink mode: lane's rank is masked, its partial counts as zero
       if (lane < num_ranks && (ranks >> lane & 1u)) {
         uint64_t* word = a.round.combine_signals + static_cast<int64_t>(token) * num_ranks + lane;
         const WaitSite site{a.status, a.error_claim, a.timeout_ns, kOpLowLatencyCombine, a.rank, token, 0};
-        wait_signal(word, site, lane, kWaitTokenPartials);
+        lost = wait_signal_unless_masked<kShrink>(word, site, lane, a.rank_mask, kWaitTokenPartials) == 0;
         // NOTE: lane's rank adds to this word again only in the combine two rounds later, causally
-        // after this kernel ended (as for the per-expert words).
-        st_volatile_u64(word, 0);
+        // after this kernel ended (as for the per-expert words). A masked rank's word stays as it is.
+        if (!lost) st_volatile_u64(word, 0);
       }
-      if (lane == 0) token_ranks = ranks;
+      const uint32_t lost_ranks = kShrink ? __ballot_sync(0xffffffffu, lost) : 0u;
+      if (lane == 0) token_ranks = ranks & ~lost_ranks;
     }
     // NOTE: the waiting lanes' acquire loads, then this barrier, order the partials' bytes before the
     // loads below (L2 only: ld.cg).
@@ -446,6 +469,8 @@ __device__ void combine_recv_sums(const CombineArgs& a) {
   }
 }
 
+// kShrink: launched with a rank mask (args.rank_mask != nullptr).
+template <bool kShrink>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineArgs args) {
   if (args.phases & kPhaseSend) {
     if (args.expert_sums && args.bf16_partials) {
@@ -458,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   }
   if (args.phases & kPhaseRecv) {
     if (args.expert_sums) {
-      combine_recv_sums(args);
+      combine_recv_sums<kShrink>(args);
     } else {
-      combine_recv(args);
+      combine_recv<kShrink>(args);
     }
   }
 }
@@ -470,14 +495,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_HOST_ASSERT(args.num_blocks > 0, "low-latency combine needs at least one block");
   EP_HOST_ASSERT(args.phases != 0, "low-latency combine launched with no phase");
-  combine_kernel<<<args.num_blocks, kThreads, 0, stream>>>(args);
+  if (args.rank_mask != nullptr) {
+    combine_kernel<true><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  } else {
+    combine_kernel<false><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 int combine_blocks_per_sm() {
-  int blocks = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, combine_kernel, kThreads, 0));
-  return blocks;
+  int blocks = 0, shrink_blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, combine_kernel<false>, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shrink_blocks, combine_kernel<true>, kThreads, 0));
+  return blocks < shrink_blocks ? blocks : shrink_blocks;
 }
 
 }  // namespace ep_plugin::low_latency

@@ -22,6 +22,9 @@
 //   in turn, copy each slot's payload into recv_x / recv_scales and record where it came from (for
 //   combine).
 //
+// Shrink mode (a rank mask, low_latency_layout.cuh): the count group and the send group skip masked
+// destination ranks; the receive counts a masked source as 0 messages.
+//
 // With topk_weights (expert-side sums, see low_latency_layout.cuh) each payload also carries the
 // token's route (ids, weights), the counts say so (kRouteBit), and the receive fills route_table.
 //
@@ -174,6 +177,7 @@ __device__ void announce_expert_counts(const DispatchArgs& a) {
       // Only a token that selects one expert twice can push a count past T_max; what is sent stops there.
       const int count = min(counts[j], layout.num_max_tokens);
       const int dst = expert / num_local, local = expert % num_local;
+      if (is_rank_masked(a.rank_mask, dst)) continue;  // shrink mode: nothing goes to a masked rank
       announce_count(a.round.dispatch_signals + static_cast<int64_t>(local) * layout.num_ranks + a.rank,
                      count_signal(static_cast<uint32_t>(count), route_mode(a.carry_route, a.bf16_partials),
                                   layout.tag(a.use_fp8)),
@@ -326,7 +330,7 @@ __device__ void dispatch_send(const DispatchArgs& a) {
       for (int j = 0; j < k && first_column; ++j)
         first_column = !(is_expert(experts[j], num_experts) && experts[j] / num_local == dst);
       const int token = step.token(g, num_blocks);
-      if (first_column)
+      if (first_column && !is_rank_masked(a.rank_mask, dst))
         send_token_to_rank(a, payloads + static_cast<int64_t>(token) * layout.payload_bytes(), token, k, dst, experts,
                            step_slots[g]);
     }
@@ -448,6 +452,7 @@ __device__ void publish_pair_count(const DispatchArgs& a) {
   state->dispatch_blocks_done = 0;
 }
 
+template <bool kShrink>
 __device__ void dispatch_recv(const DispatchArgs& a) {
   __shared__ int region_count[kMaxRanks];
   __shared__ int region_begin[kMaxRanks];
@@ -464,10 +469,10 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
       int carry = 0;
       for (int first = 0; first < num_ranks; first += 32) {
         const int src = first + lane;
-        int count = 0;
-        if (src < num_ranks) {
-          uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
-          const uint64_t value = wait_signal(word, site, src);
+        int count = 0;  // a masked source (shrink mode) counts as 0 messages
+        uint64_t* word = a.round.dispatch_signals + static_cast<int64_t>(local) * num_ranks + src;
+        const uint64_t value = src < num_ranks ? wait_signal_unless_masked<kShrink>(word, site, src, a.rank_mask) : 0;
+        if (value != 0) {
           count = static_cast<int>(signal_expected(value));
           if (signal_layout_tag(value) != own_tag) report_layout_mismatch(a, src, expert, value);
           if (signal_route_mode(value) != own_mode) report_route_mismatch(a, src, expert, value);
@@ -510,11 +515,13 @@ __device__ void dispatch_recv(const DispatchArgs& a) {
   if (a.carry_route) publish_pair_count(a);
 }
 
+// kShrink: launched with a rank mask (args.rank_mask != nullptr).
+template <bool kShrink>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
   if (args.phases & kPhaseSend) {
     dispatch_send(args);
   }
-  if (args.phases & kPhaseRecv) dispatch_recv(args);
+  if (args.phases & kPhaseRecv) dispatch_recv<kShrink>(args);
 }
 
 }  // namespace
@@ -522,14 +529,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_HOST_ASSERT(args.num_blocks > 0, "low-latency dispatch needs at least one block");
   EP_HOST_ASSERT(args.phases != 0, "low-latency dispatch launched with no phase");
-  dispatch_kernel<<<args.num_blocks, kThreads, 0, stream>>>(args);
+  if (args.rank_mask != nullptr) {
+    dispatch_kernel<true><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  } else {
+    dispatch_kernel<false><<<args.num_blocks, kThreads, 0, stream>>>(args);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 int dispatch_blocks_per_sm() {
-  int blocks = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dispatch_kernel, kThreads, 0));
-  return blocks;
+  int blocks = 0, shrink_blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dispatch_kernel<false>, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shrink_blocks, dispatch_kernel<true>, kThreads, 0));
+  return blocks < shrink_blocks ? blocks : shrink_blocks;
 }
 
 }  // namespace ep_plugin::low_latency

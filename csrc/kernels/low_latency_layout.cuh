@@ -303,6 +303,8 @@ struct DispatchArgs {
   bool carry_route;
   bool bf16_partials;
   const float* topk_weights;        // [T, K] (with carry_route)
+  // Shrink mode: [R] int32, 1 where this rank skips a rank (see "shrink mode" below); nullptr otherwise.
+  int* rank_mask;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
@@ -330,6 +332,7 @@ struct CombineArgs {
   // with bf16_partials rounded to bf16 when it goes to a peer (a rank's own partial stays fp32).
   bool expert_sums;
   bool bf16_partials;
+  int* rank_mask;                   // shrink mode: as in DispatchArgs (the same tensor), or nullptr
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
@@ -375,6 +378,56 @@ __device__ __forceinline__ uint64_t wait_signal(const uint64_t* word, const Wait
     const int64_t expected = (value & kFinishBit) ? static_cast<int64_t>(signal_expected(value)) : -1;
     deadline.check(kind, peer, expected, signal_arrived(value));
   }
+}
+
+// ---- shrink mode (rank masking) ----------------------------------------------------------------
+// With a rank mask (`rank_mask`, [R] int32 in this rank's memory, written by the host on the stream
+// between calls and by these waits), a call skips every masked rank: no message, count or row goes to
+// it, no wait waits for it (its messages count as 0, its experts' outputs as zero). A wait whose peer
+// does not answer within timeout_s masks the peer (atomic exchange; the first one prints it) and the
+// call goes on without it, instead of trapping. Without a mask (nullptr) the kernels launch their
+// instances without the masked waits (kShrink = false, below) and trap as before.
+// NOTE: a masked peer's signal words are neither waited for nor reset: a peer that is still alive may
+// add to them late. They are zero again only after clean_low_latency_buffer (docs/faults.md).
+__device__ __forceinline__ bool is_rank_masked(const int* rank_mask, int rank) {
+  return rank_mask != nullptr && *reinterpret_cast<const volatile int*>(rank_mask + rank) != 0;
+}
+
+__device__ __noinline__ inline void mask_silent_peer(const WaitSite& site, int kind, int peer, int* rank_mask) {
+  if (atomicExch(rank_mask + peer, 1) == 0)
+    printf("ep_plugin: rank %d masked peer %d: no answer within the timeout (op %d, wait %d, channel %d)\n",
+           site.rank, peer, site.op, kind, site.channel);
+}
+
+// The shrink-mode wait (a mask given, a peer's word): the complete word, or 0 (never a complete word:
+// those have kFinishBit) once `peer` is masked, before the wait or during it by another wait of this
+// rank, or by this wait once timeout_s passes. Out of line: the waits without a mask stay as they were.
+__device__ __noinline__ inline uint64_t wait_signal_or_mask(const uint64_t* word, const WaitSite& site, int peer,
+                                                            int* rank_mask, int kind) {
+  Deadline deadline(site);
+  for (uint32_t spins = 0;; ++spins) {
+    if (spins % kSpinsPerClaimRead == 0 && is_rank_masked(rank_mask, peer)) return 0;
+    const uint64_t value = ld_acquire_sys(word);
+    if (signal_complete(value)) return value;
+    if (deadline.passed()) {
+      mask_silent_peer(site, kind, peer, rank_mask);
+      return 0;
+    }
+  }
+}
+
+// Spins (one thread) until `word` is complete and returns it, or, in a kernel launched with a rank mask
+// (kShrink), returns 0 once `peer` is masked. Without a mask, or for this rank's own word, it is
+// wait_signal (traps past the timeout). The kernels take kShrink as a template parameter: their
+// instances without a mask compile exactly as without shrink mode (a call out of line would cost
+// registers spilled around it in every wait loop).
+template <bool kShrink>
+__device__ __forceinline__ uint64_t wait_signal_unless_masked(const uint64_t* word, const WaitSite& site, int peer,
+                                                              int* rank_mask, int kind = kWaitExpertMessages) {
+  if constexpr (kShrink) {
+    if (peer != site.rank) return wait_signal_or_mask(word, site, peer, rank_mask, kind);
+  }
+  return wait_signal(word, site, peer, kind);
 }
 
 // After the warp has stored a message straight into `pe`'s memory: add `value` to `signal`

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import fp8
+from .. import fp8, masking
 from .base import DispatchRoute, GroupInfo
 from .native_common import NVSHMEM_IMPORT_ERROR, NativeBase, _C_nvshmem, address_of, logger
 
@@ -67,6 +67,14 @@ class _SymmetricArray:
 
 class LowLatencyMode(NativeBase):
     """NativeBackend's low-latency mode."""
+
+    # Set by a Buffer with enable_shrink (ep_plugin/masking.py): the kernels skip the ranks it masks.
+    device_rank_mask: Optional[masking.DeviceRankMask] = None
+
+    def _rank_mask_address(self) -> int:
+        """Device address of the shrink-mode mask for the kernels' Args (0: no mask)."""
+        mask = self.device_rank_mask
+        return 0 if mask is None else address_of(mask.flags)
 
     def _start_low_latency(self, num_rdma_bytes: int):
         """NVSHMEM over the process group (unique id from rank 0, every rank a PE) and the symmetric buffer."""
@@ -167,6 +175,7 @@ class LowLatencyMode(NativeBase):
         args.cumulative_local_expert_recv_stats = address_of(cumulative_local_expert_recv_stats)
         args.carry_route, args.bf16_partials = expert_sums, bf16_partials
         args.topk_weights = address_of(topk_weights) if expert_sums else 0
+        args.rank_mask = self._rank_mask_address()
 
         def launch(phases: int) -> None:
             args.phases = phases
@@ -214,6 +223,7 @@ class LowLatencyMode(NativeBase):
         args.topk_idx, args.topk_weights, args.num_tokens, args.num_topk = (address_of(topk_idx),
                                                                             address_of(topk_weights), T, K)
         args.out, args.expert_sums, args.bf16_partials = address_of(combined), handle.expert_sums, handle.bf16_partials
+        args.rank_mask = self._rank_mask_address()
 
         def launch(phases: int) -> None:
             args.phases = phases
