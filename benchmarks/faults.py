@@ -51,7 +51,7 @@ class Case:
     modes: tuple
     expected: str
     run: Callable  # run(ctx) -> dict of what this rank saw (raises on errors)
-    error_needed: bool = True  # the fault must be reported (False: data must pass through)
+    errors_from: tuple = ("reference", "native")  # backends that must report the fault (others: no error)
     culprit_last: bool = True  # rank R-1 injects the fault
 
 
@@ -281,21 +281,21 @@ CASES: Dict[str, Case] = {case.name: case for case in [
          bad_expert_id),
     Case("nan_inf_x", ("normal", "low_latency"),
          "NaN/Inf reach the culprit's own tokens only; every other value is correct", nan_inf_x,
-         error_needed=False, culprit_last=False),
+         errors_from=(), culprit_last=False),
     Case("buffer_too_small", ("normal", "low_latency"),
          "ValueError naming the buffer size before any kernel (native); the reference needs no buffer",
-         buffer_too_small, error_needed=False, culprit_last=False),
+         buffer_too_small, errors_from=("native",), culprit_last=False),
     Case("subset_buffer", ("normal", "low_latency"),
          "the ranks with a Buffer raise an error naming the absent rank", subset_buffer),
     Case("masked_exit", ("low_latency",),
          "shrink mode: the others mask the rank and finish with correct results", masked("exit_before_dispatch"),
-         error_needed=False),
+         errors_from=()),
     Case("masked_exit_before_combine", ("low_latency",),
          "shrink mode: the others mask the rank in the combine and finish with correct results",
-         masked("exit_before_combine"), error_needed=False),
+         masked("exit_before_combine"), errors_from=()),
     Case("masked_stall_past_timeout", ("low_latency",),
          "shrink mode: the others mask the rank and finish with correct results; the late rank masks them",
-         masked("stall_past_timeout"), error_needed=False),
+         masked("stall_past_timeout"), errors_from=()),
 ]}
 
 
@@ -334,14 +334,14 @@ def case_rank(rank: int, world: int, group, name: str, mode: str, backend: str, 
     finish_rank(seen)  # NOTE: no teardown: a process group with an abandoned collective, or a stopped context
 
 
-def judge(case: Case, world: int, ranks: List[dict]) -> dict:
+def judge(case: Case, backend: str, world: int, ranks: List[dict]) -> dict:
     """The record's judgement of what the ranks saw (see the module docstring)."""
     culprit = world - 1 if case.culprit_last else -1
     others = [r for r in ranks if r["rank"] != culprit]
     errors = [r for r in ranks if r["outcome"] == "error"]
     bare_cuda = any("CUDA error" in r["message"] and not r["structured"] for r in errors)
     all_structured = all(r["structured"] for r in errors) and not bare_cuda
-    if case.error_needed:
+    if backend in case.errors_from:
         reported = any(r["outcome"] == "error" for r in ranks)
         clear = all_structured and reported
     else:
@@ -379,7 +379,7 @@ def run_case(name: str, mode: str, args) -> dict:
         record.update(observed=("no end within %d s" % guard_s) if hang else "no report: " + " | ".join(tail),
                       clear_error=False, survived=False)
         return record
-    record.update(judge(case, args.ranks, ranks))
+    record.update(judge(case, args.backend, args.ranks, ranks))
     record["detail"] = ranks
     return record
 

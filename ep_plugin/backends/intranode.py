@@ -67,12 +67,13 @@ class IntranodeMode(NativeBase):
         R = self.info.num_ranks
         nodes = 0 if self.info.is_intranode else self.info.num_nodes
         counts = self._empty(num_experts + R + nodes, dtype=torch.int32)  # one allocation, one memset
-        per_expert, per_rank, per_node = counts.split([num_experts, R, nodes])
+        # NOTE: basic slices, and the node counts' only where counted (a split of three costs the host more)
+        per_expert, per_rank = counts[:num_experts], counts[num_experts:num_experts + R]
         in_rank = self._empty(T, R, dtype=torch.bool)
         _C.get_dispatch_layout(topk_idx=address_of(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
                                num_ranks=R, ranks_per_node=self.info.ranks_per_node, counts=address_of(counts),
                                count_nodes=nodes > 0, is_token_in_rank=address_of(in_rank), stream=self._stream())
-        return per_rank, per_node if nodes else None, per_expert, in_rank
+        return per_rank, counts[num_experts + R:] if nodes else None, per_expert, in_rank
 
     def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                        expert_alignment, num_worst_tokens, config: Config):
