@@ -155,6 +155,10 @@ def exit_before(stage: str):
             finish_rank({"outcome": "exited"})
         combine(ctx, dispatched, ids, weights)
         sync(ctx)
+        if not ctx.low_latency:
+            # The host does not wait for a combine: an error its kernels met comes from the Buffer's next
+            # call, which a training loop always makes (docs/faults.md).
+            ctx.buffer.get_dispatch_layout(ids, ctx.num_experts)
         return {"outcome": "ok"}
     return run
 
@@ -190,6 +194,10 @@ def disagree(what: str):
             dispatched = dispatch(ctx, x, ids, weights)
         combine(ctx, dispatched, ids, weights)
         sync(ctx)
+        if not ctx.low_latency:
+            # The host does not wait for a combine: an error its kernels met comes from the Buffer's next
+            # call, which a training loop always makes (docs/faults.md).
+            ctx.buffer.get_dispatch_layout(ids, ctx.num_experts)
         return {"outcome": "ok"}
     return run
 
