@@ -28,12 +28,12 @@ POISON = 0x7F
 NAMES = ("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank")
 
 # (T, K, E, R, ranks_per_node). The kernel's blocks: experts in ranges of max(64, ceil(E / 64)) (at most
-# 4096), ranks and nodes in ranges of 32; 512 threads, a token's ids loaded 8 at a time.
+# 4096), ranks and nodes in ranges of 32; 1024 threads, a token's ids loaded 8 at a time.
 KERNEL_CASES = [
     (0, 8, 256, 2, 2),              # no tokens: the counts are still written (zeros)
     (1, 1, 2, 2, 2),
     (127, 8, 256, 2, 2),
-    (513, 8, 256, 8, 8),            # one token past a block's threads
+    (1025, 8, 256, 8, 8),           # one token past a block's threads
     (4097, 9, 64, 4, 4),            # K not a multiple of the ids loaded together
     (300, 32, 512, 16, 8),          # the largest top-k; 2 nodes
     (1000, 8, 4160, 32, 8),         # 65 experts per block

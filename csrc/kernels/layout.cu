@@ -14,7 +14,7 @@
 namespace ep_plugin {
 namespace {
 
-constexpr int kLayoutThreads = 512;
+constexpr int kLayoutThreads = 1024;  // a token per thread: more threads, fewer passes over the ids
 constexpr int kGroupsPerBlock = 32;         // ranks or nodes per block: one bit each in a token's mask
 constexpr int kMinExpertsPerBlock = 64;
 constexpr int kMaxExpertsPerBlock = 4096;   // the block's expert histogram in shared memory
