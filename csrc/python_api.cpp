@@ -25,18 +25,18 @@ using namespace ep_plugin;
 namespace {
 
 void get_dispatch_layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                         int ranks_per_node, uintptr_t counts, bool count_nodes, uintptr_t is_token_in_rank,
-                         uintptr_t stream) {
+                         int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,
+                         uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank, uintptr_t stream) {
   LayoutArgs args{};
-  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_tokens > 0);
+  args.topk_idx = pointer<const int64_t>(topk_idx, "topk_idx", num_tokens > 0 && num_topk > 0);
   args.num_tokens = num_tokens;
   args.num_topk = num_topk;
   args.num_experts = num_experts;
   args.num_ranks = num_ranks;
   args.ranks_per_node = ranks_per_node;
-  args.num_tokens_per_expert = pointer<int32_t>(counts, "counts");
-  args.num_tokens_per_rank = args.num_tokens_per_expert + num_experts;
-  args.num_tokens_per_node = count_nodes ? args.num_tokens_per_rank + num_ranks : nullptr;
+  args.num_tokens_per_rank = pointer<int32_t>(num_tokens_per_rank, "num_tokens_per_rank", false);
+  args.num_tokens_per_node = pointer<int32_t>(num_tokens_per_node, "num_tokens_per_node", false);
+  args.num_tokens_per_expert = pointer<int32_t>(num_tokens_per_expert, "num_tokens_per_expert");
   args.is_token_in_rank = pointer<bool>(is_token_in_rank, "is_token_in_rank", num_tokens > 0);
   launch_dispatch_layout(args, as_stream(stream));
 }
@@ -256,9 +256,11 @@ PYBIND11_MODULE(_C, m) {
       "Rows per peer a copy-engine staging area of staging_bytes holds (pure function, no GPU needed).");
 
   m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
-        py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("counts"),
-        py::arg("count_nodes"), py::arg("is_token_in_rank"), py::arg("stream"),
-        "counts: int32 [E + R (+ nodes with count_nodes)], per expert, per rank, per node; one launch after one memset.");
+        py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
+        py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
+        py::arg("stream"),
+        "One kernel launch that writes every entry of the outputs (api.cuh LayoutArgs); num_tokens_per_rank or "
+        "num_tokens_per_node 0: not written. By position on the host's hot path (cheaper than by name).");
 
   m.def("gather_sum_rows", &gather_sum_rows, py::arg("rows"), py::arg("index"), py::arg("out"),
         py::arg("num_out_rows"), py::arg("num_slots"), py::arg("hidden"), py::arg("num_sms"), py::arg("stream"),

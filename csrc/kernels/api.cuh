@@ -13,11 +13,11 @@ namespace ep_plugin {
 struct LayoutArgs {
   const int64_t* topk_idx;          // [T, K]
   int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
-  // The counts, consecutive in this order (one memset zeroes them): [E], [R], then [num_nodes] or none.
-  int32_t* num_tokens_per_expert;
-  int32_t* num_tokens_per_rank;
-  int32_t* num_tokens_per_node;     // nullptr: not counted
-  bool* is_token_in_rank;           // [T, R], every entry written by the kernel
+  // Every entry of the outputs is written by the kernel (no zeroing before it).
+  int32_t* num_tokens_per_expert;   // [E]: ids of each expert (out-of-range ids skipped)
+  int32_t* num_tokens_per_rank;     // [R]: tokens with an id on each rank, or nullptr: not written
+  int32_t* num_tokens_per_node;     // [R / ranks_per_node], or nullptr: not counted
+  bool* is_token_in_rank;           // [T, R]
 };
 void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream);
 

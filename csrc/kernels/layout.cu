@@ -1,66 +1,123 @@
 // get_dispatch_layout: per-rank, per-node and per-expert counts and the token -> rank map.
+//
+// One launch and no prior zeroing: every output entry is written by exactly one block. Each block
+// owns a range of one kind of bins and reads every token's ids, so no count is shared between blocks:
+//   [0, expert_blocks)            experts, LayoutPlan::experts_per_block each: num_tokens_per_expert
+//   [.., + rank_blocks)           kGroupsPerBlock ranks each: num_tokens_per_rank and their columns
+//                                 of is_token_in_rank
+//   [.., + node_blocks)           kGroupsPerBlock nodes each: num_tokens_per_node (when counted)
+#include <algorithm>
+
 #include "../common/exception.cuh"
 #include "api.cuh"
 
 namespace ep_plugin {
 namespace {
 
-constexpr int kLayoutThreads = 256;
-constexpr int kMaxSharedExperts = 8192;  // per-block expert histogram in shared memory
+constexpr int kLayoutThreads = 1024;  // a token per thread: more threads, fewer passes over the ids
+constexpr int kGroupsPerBlock = 32;         // ranks or nodes per block: one bit each in a token's mask
+constexpr int kMinExpertsPerBlock = 64;
+constexpr int kMaxExpertsPerBlock = 4096;   // the block's expert histogram in shared memory
+constexpr int kTargetExpertBlocks = 64;     // more experts per block beyond this (every block reads all ids)
+constexpr int kIdsPerLoad = 8;              // a token's ids loaded together, then visited
 constexpr int kMaxLayoutRanks = 1024;
 
-// One thread per token; block-local histograms flushed with one atomic per bin.
-__global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutArgs args) {
-  __shared__ int expert_hist[kMaxSharedExperts];
-  __shared__ int rank_hist[kMaxLayoutRanks];
-  __shared__ int node_hist[kMaxLayoutRanks];
-  const bool experts_in_shared = args.num_experts <= kMaxSharedExperts;
-  const int num_nodes = args.num_ranks / args.ranks_per_node;
-  const int experts_per_rank = args.num_experts / args.num_ranks;
+struct LayoutPlan {
+  int experts_per_block, expert_blocks, rank_blocks, node_blocks;
 
-  for (int i = threadIdx.x; i < args.num_experts && experts_in_shared; i += blockDim.x) expert_hist[i] = 0;
-  for (int i = threadIdx.x; i < args.num_ranks; i += blockDim.x) rank_hist[i] = 0;
-  for (int i = threadIdx.x; i < num_nodes; i += blockDim.x) node_hist[i] = 0;
+  static LayoutPlan of(const LayoutArgs& args) {
+    LayoutPlan plan{};
+    const int wanted = (args.num_experts + kTargetExpertBlocks - 1) / kTargetExpertBlocks;
+    plan.experts_per_block = std::min(kMaxExpertsPerBlock, std::max(kMinExpertsPerBlock, wanted));
+    plan.expert_blocks = (args.num_experts + plan.experts_per_block - 1) / plan.experts_per_block;
+    plan.rank_blocks = (args.num_ranks + kGroupsPerBlock - 1) / kGroupsPerBlock;
+    const int num_nodes = args.num_tokens_per_node == nullptr ? 0 : args.num_ranks / args.ranks_per_node;
+    plan.node_blocks = (num_nodes + kGroupsPerBlock - 1) / kGroupsPerBlock;
+    return plan;
+  }
+  int blocks() const { return expert_blocks + rank_blocks + node_blocks; }
+};
+
+// Calls visit(id) for each of the token's num_topk ids (-1 and other ids outside [0, E) included).
+template <typename Visit>
+__device__ __forceinline__ void for_each_id(const int64_t* ids, int num_topk, Visit&& visit) {
+  for (int k0 = 0; k0 < num_topk; k0 += kIdsPerLoad) {
+    int64_t chunk[kIdsPerLoad];
+#pragma unroll
+    for (int i = 0; i < kIdsPerLoad; ++i) chunk[i] = k0 + i < num_topk ? __ldg(ids + k0 + i) : -1;
+#pragma unroll
+    for (int i = 0; i < kIdsPerLoad; ++i) visit(chunk[i]);
+  }
+}
+
+// num_tokens_per_expert[first, first + count): ids of those experts over all tokens (a token's
+// repeated id counts each time). Out-of-range ids are skipped.
+__device__ void count_experts(const LayoutArgs& args, int first, int count, int* bins) {
+  const int end = min(first + count, args.num_experts);
+  for (int i = threadIdx.x; i < end - first; i += blockDim.x) bins[i] = 0;
   __syncthreads();
+  for (int t = threadIdx.x; t < args.num_tokens; t += blockDim.x)
+    for_each_id(args.topk_idx + static_cast<int64_t>(t) * args.num_topk, args.num_topk, [&](int64_t id) {
+      if (id >= first && id < end) atomicAdd(&bins[id - first], 1);
+    });
+  __syncthreads();
+  for (int i = threadIdx.x; i < end - first; i += blockDim.x) args.num_tokens_per_expert[first + i] = bins[i];
+}
 
-  const int token = blockIdx.x * blockDim.x + threadIdx.x;
-  if (token < args.num_tokens) {
-    const int64_t* ids = args.topk_idx + static_cast<int64_t>(token) * args.num_topk;
-    // This thread writes its token's whole row (no memset): false first, then true for each rank seen.
-    bool* in_rank = args.is_token_in_rank + static_cast<int64_t>(token) * args.num_ranks;
-    for (int r = 0; r < args.num_ranks; ++r) in_rank[r] = false;
-    for (int k = 0; k < args.num_topk; ++k) {
-      const int64_t expert = ids[k];
-      // Out-of-range ids are rejected before launch (Python) and by the notify step; skip them here.
-      if (expert < 0 || expert >= args.num_experts) continue;
-      if (experts_in_shared) atomicAdd(&expert_hist[expert], 1);
-      else atomicAdd(&args.num_tokens_per_expert[expert], 1);
-      const int rank = static_cast<int>(expert / experts_per_rank);
-      const int node = rank / args.ranks_per_node;
-      bool rank_seen = false, node_seen = false;
-      for (int j = 0; j < k; ++j) {
-        const int64_t other = ids[j];
-        if (other < 0 || other >= args.num_experts) continue;
-        const int other_rank = static_cast<int>(other / experts_per_rank);
-        rank_seen |= other_rank == rank;
-        node_seen |= other_rank / args.ranks_per_node == node;
+// out[first, first + kGroupsPerBlock) (clipped to num_groups): tokens with an id in each group, a group
+// being experts_per_group consecutive experts (a rank's or a node's); out nullptr: not written. kWriteRows:
+// the groups are ranks, and each token's entries of is_token_in_rank for them are written too.
+template <bool kWriteRows>
+__device__ void count_groups(const LayoutArgs& args, int first, int num_groups, int experts_per_group, int32_t* out,
+                             int* bins) {
+  const int count = min(kGroupsPerBlock, num_groups - first);
+  const int64_t first_expert = static_cast<int64_t>(first) * experts_per_group;
+  const int64_t end_expert = first_expert + static_cast<int64_t>(count) * experts_per_group;
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x < kGroupsPerBlock) bins[threadIdx.x] = 0;
+  int lane_group_tokens = 0;  // lane j: tokens of this warp's in group first + j
+  // NOTE: whole warps iterate together (the ballots below), lanes past the last token with no hit.
+  for (int warp_first = threadIdx.x - lane; warp_first < args.num_tokens; warp_first += blockDim.x) {
+    const int t = warp_first + lane;
+    uint32_t hit = 0;
+    if (t < args.num_tokens) {
+      for_each_id(args.topk_idx + static_cast<int64_t>(t) * args.num_topk, args.num_topk, [&](int64_t id) {
+        if (id >= first_expert && id < end_expert)
+          hit |= 1u << (static_cast<int>(id - first_expert) / experts_per_group);
+      });
+      if constexpr (kWriteRows) {
+        bool* row = args.is_token_in_rank + static_cast<int64_t>(t) * args.num_ranks + first;
+        for (int j = 0; j < count; ++j) row[j] = (hit >> j) & 1u;
       }
-      if (!rank_seen) {
-        atomicAdd(&rank_hist[rank], 1);
-        in_rank[rank] = true;
-      }
-      if (!node_seen) atomicAdd(&node_hist[node], 1);
+    }
+    for (int j = 0; j < count; ++j) {
+      const int warp_tokens = __popc(__ballot_sync(0xffffffffu, (hit >> j) & 1u));
+      if (lane == j) lane_group_tokens += warp_tokens;
     }
   }
   __syncthreads();
+  if (lane < count && lane_group_tokens != 0) atomicAdd(&bins[lane], lane_group_tokens);
+  __syncthreads();
+  if (out != nullptr && threadIdx.x < count) out[first + threadIdx.x] = bins[threadIdx.x];
+}
 
-  for (int i = threadIdx.x; i < args.num_experts && experts_in_shared; i += blockDim.x)
-    if (expert_hist[i] != 0) atomicAdd(&args.num_tokens_per_expert[i], expert_hist[i]);
-  for (int i = threadIdx.x; i < args.num_ranks; i += blockDim.x)
-    if (rank_hist[i] != 0) atomicAdd(&args.num_tokens_per_rank[i], rank_hist[i]);
-  if (args.num_tokens_per_node != nullptr)
-    for (int i = threadIdx.x; i < num_nodes; i += blockDim.x)
-      if (node_hist[i] != 0) atomicAdd(&args.num_tokens_per_node[i], node_hist[i]);
+__global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutArgs args, LayoutPlan plan) {
+  __shared__ int bins[kMaxExpertsPerBlock];
+  int block = blockIdx.x;
+  if (block < plan.expert_blocks) {
+    count_experts(args, block * plan.experts_per_block, plan.experts_per_block, bins);
+    return;
+  }
+  block -= plan.expert_blocks;
+  const int experts_per_rank = args.num_experts / args.num_ranks;
+  if (block < plan.rank_blocks) {
+    count_groups<true>(args, block * kGroupsPerBlock, args.num_ranks, experts_per_rank, args.num_tokens_per_rank,
+                       bins);
+    return;
+  }
+  block -= plan.rank_blocks;
+  count_groups<false>(args, block * kGroupsPerBlock, args.num_ranks / args.ranks_per_node,
+                      experts_per_rank * args.ranks_per_node, args.num_tokens_per_node, bins);
 }
 
 }  // namespace
@@ -74,12 +131,9 @@ void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream) {
                "num_experts (" << args.num_experts << ") must be a positive multiple of the rank count ("
                                << args.num_ranks << ")");
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_tokens >= 0, "negative top-k or token count");
-  const int num_nodes = args.num_tokens_per_node == nullptr ? 0 : args.num_ranks / args.ranks_per_node;
-  CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0,
-                             sizeof(int32_t) * (args.num_experts + args.num_ranks + num_nodes), stream));
-  if (args.num_tokens == 0) return;
-  const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
-  dispatch_layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(args);
+  // NOTE: launched at T = 0 too: the counts are written (zeros) only by the kernel.
+  const LayoutPlan plan = LayoutPlan::of(args);
+  dispatch_layout_kernel<<<plan.blocks(), kLayoutThreads, 0, stream>>>(args, plan);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -295,12 +295,10 @@ class InternodeMode(IntranodeMode):
                                      inv_perm=None)
             return fwd_x, fwd_scales, node_topk, recv_topk_weights, per_expert, handle
         node_experts = L * num_local_experts
-        node_counts = self._empty(node_experts + L, dtype=torch.int32)
-        node_per_expert = node_counts[:node_experts]
+        node_per_expert = self._empty(node_experts, dtype=torch.int32)
         node_in_rank = self._empty(F, L, dtype=torch.bool)
-        _C.get_dispatch_layout(topk_idx=address_of(node_topk), num_tokens=F, num_topk=K, num_experts=node_experts,
-                               num_ranks=L, ranks_per_node=L, counts=address_of(node_counts), count_nodes=False,
-                               is_token_in_rank=address_of(node_in_rank), stream=stream)
+        _C.get_dispatch_layout(address_of(node_topk), F, K, node_experts, L, L, 0, 0, address_of(node_per_expert),
+                               address_of(node_in_rank), stream)  # no per-rank or per-node counts
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, node = self._node_dispatch(
             fwd_x, fwd_scales, node_topk, fwd_weights, node_in_rank, node_per_expert, expert_alignment,
             num_worst_tokens, config)

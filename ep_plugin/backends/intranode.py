@@ -64,16 +64,18 @@ class IntranodeMode(NativeBase):
         if self._runtime is not None:
             self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
-        R = self.info.num_ranks
-        nodes = 0 if self.info.is_intranode else self.info.num_nodes
-        counts = self._empty(num_experts + R + nodes, dtype=torch.int32)  # one allocation, one memset
-        # NOTE: basic slices, and the node counts' only where counted (a split of three costs the host more)
-        per_expert, per_rank = counts[:num_experts], counts[num_experts:num_experts + R]
-        in_rank = self._empty(T, R, dtype=torch.bool)
-        _C.get_dispatch_layout(topk_idx=address_of(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
-                               num_ranks=R, ranks_per_node=self.info.ranks_per_node, counts=address_of(counts),
-                               count_nodes=nodes > 0, is_token_in_rank=address_of(in_rank), stream=self._stream())
-        return per_rank, counts[num_experts + R:] if nodes else None, per_expert, in_rank
+        info = self.info
+        R, ranks_per_node, device = info.num_ranks, info.ranks_per_node, info.device
+        # NOTE: one torch.empty per output, no views of a shared one, and the kernel by position: the
+        # fewest Python operations (host time of an eager call). The kernel writes every entry.
+        per_rank = torch.empty(R, dtype=torch.int32, device=device)
+        per_node = None if ranks_per_node == R else torch.empty(R // ranks_per_node, dtype=torch.int32, device=device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
+        in_rank = torch.empty(T, R, dtype=torch.bool, device=device)
+        _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, ranks_per_node, per_rank.data_ptr(),
+                               0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
+                               in_rank.data_ptr(), self._stream())
+        return per_rank, per_node, per_expert, in_rank
 
     def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                        expert_alignment, num_worst_tokens, config: Config):

@@ -160,6 +160,30 @@ def _count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return counts[:n]
 
 
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """`Backend.get_dispatch_layout` of a group of `num_ranks` ranks, `ranks_per_node` to a node (a pure
+    function: the oracle of the native layout kernel's tests too). topk_idx: [T, K] int64; ids outside
+    [0, num_experts) are not routed. Returns num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank
+    [nodes] int32 (None in one node), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool."""
+    num_local_experts = num_experts // num_ranks
+    num_tokens = topk_idx.size(0)
+    routed = (topk_idx >= 0) & (topk_idx < num_experts)
+    # Column num_ranks collects the entries that go nowhere.
+    dest_rank = torch.where(routed, topk_idx // num_local_experts, num_ranks)
+    hits = torch.zeros((num_tokens, num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
+    hits.scatter_(1, dest_rank, True)
+    is_token_in_rank = hits[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+    num_tokens_per_rdma_rank = None
+    num_nodes = num_ranks // ranks_per_node
+    if num_nodes > 1:
+        in_node = is_token_in_rank.view(num_tokens, num_nodes, ranks_per_node).any(dim=2)
+        num_tokens_per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)
+    num_tokens_per_expert = _count_ids(topk_idx, num_experts).to(torch.int32)
+    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+
+
 # ---- the backend -----------------------------------------------------------------------------------
 @honours_timeouts
 class ReferenceBackend(Backend):
@@ -215,22 +239,7 @@ class ReferenceBackend(Backend):
     # ---- normal mode ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-        num_ranks = self.info.num_ranks
-        num_local_experts = num_experts // num_ranks
-        num_tokens = topk_idx.size(0)
-        routed = (topk_idx >= 0) & (topk_idx < num_experts)
-        # Column num_ranks collects the entries that go nowhere.
-        dest_rank = torch.where(routed, topk_idx // num_local_experts, num_ranks)
-        hits = torch.zeros((num_tokens, num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
-        hits.scatter_(1, dest_rank, True)
-        is_token_in_rank = hits[:, :num_ranks].contiguous()
-        num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        num_tokens_per_rdma_rank = None
-        if not self.info.is_intranode:
-            in_node = is_token_in_rank.view(num_tokens, self.info.num_nodes, self.info.ranks_per_node).any(dim=2)
-            num_tokens_per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)
-        num_tokens_per_expert = _count_ids(topk_idx, num_experts).to(torch.int32)
-        return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+        return dispatch_layout(topk_idx, num_experts, self.info.num_ranks, self.info.ranks_per_node)
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
