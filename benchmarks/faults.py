@@ -114,9 +114,12 @@ def dispatch(ctx: Ctx, x, ids, weights, use_fp8: bool = False, t_max: int = T_MA
 
 def combine(ctx: Ctx, dispatched, ids, weights) -> torch.Tensor:
     """Combine with identity experts: normal mode returns x times the ranks a token went to,
-    low-latency mode x times the sum of its routed weights."""
+    low-latency mode x times the sum of its routed weights (an FP8 dispatch's rows dequantized)."""
     recv_x, _, handle = dispatched
     if ctx.low_latency:
+        if isinstance(recv_x, tuple):
+            from ep_plugin import fp8
+            recv_x = fp8.dequantize(*recv_x).to(torch.bfloat16)
         return ctx.buffer.low_latency_combine(recv_x, ids, weights, handle)[0]
     return ctx.buffer.combine(recv_x, handle)[0]
 
@@ -203,12 +206,20 @@ def disagree(what: str):
 
 
 def bad_expert_id(ctx: Ctx) -> dict:
+    """The culprit's topk_idx[0, 0] is one past the last expert. Where the round runs, the id counts as -1
+    (native low-latency mode, and the reference without check_inputs) and every rank checks its result
+    so; native low-latency mode records the id on the device and raises it at the culprit's next
+    low_latency_dispatch, which the culprit makes."""
     x, ids, weights = ctx.inputs()
     if ctx.rank == ctx.culprit:
         ids[0, 0] = ctx.num_experts  # one past the last expert
-    combine(ctx, dispatch(ctx, x, ids, weights), ids, weights)
+    out = combine(ctx, dispatch(ctx, x, ids, weights), ids, weights)
     sync(ctx)
-    return {"outcome": "ok"}
+    want = expected_combine(ctx, x, torch.where(ids < ctx.num_experts, ids, -1), weights)
+    correct = bool(torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
+    if ctx.low_latency and ctx.backend == "native" and ctx.rank == ctx.culprit:
+        dispatch(ctx, x, ids, weights)
+    return {"outcome": "ok", "correct": correct}
 
 
 def nan_inf_x(ctx: Ctx) -> dict:
@@ -285,8 +296,10 @@ CASES: Dict[str, Case] = {case.name: case for case in [
     Case("disagree_dtype", ("normal", "low_latency"), "every rank raises an error naming the layout / FP8 option",
          disagree("dtype")),
     Case("bad_expert_id", ("normal", "low_latency"),
-         "the culprit raises ValueError naming topk_idx before any kernel; the others time out naming it",
-         bad_expert_id),
+         "native: every rank raises ValueError naming topk_idx[0, 0] of the culprit before any kernel (normal "
+         "mode), or the round treats the id as -1 and the culprit's next low_latency_dispatch raises it "
+         "(low-latency mode); reference (check_inputs off): the id counts as -1, results correct",
+         bad_expert_id, errors_from=("native",)),
     Case("nan_inf_x", ("normal", "low_latency"),
          "NaN/Inf reach the culprit's own tokens only; every other value is correct", nan_inf_x,
          errors_from=(), culprit_last=False),
@@ -383,13 +396,26 @@ def run_case(name: str, mode: str, args) -> dict:
               "hang": hang}
     ranks = _ranks_from(stdout)
     if hang or ranks is None:
-        tail = (stderr or "").strip().splitlines()[-3:]
+        tail = _stderr_tail(stderr or "")
         record.update(observed=("no end within %d s" % guard_s) if hang else "no report: " + " | ".join(tail),
                       clear_error=False, survived=False)
         return record
     record.update(judge(case, args.backend, args.ranks, ranks))
     record["detail"] = ranks
     return record
+
+
+def _stderr_tail(stderr: str) -> List[str]:
+    """What explains a rank that died: faulthandler's "Fatal Python error" line (the signal) and the Python
+    stack of the thread it stopped (else the last lines), then the launcher's last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if not fatal:
+        return lines[-3:]
+    after = lines[fatal[-1] + 1:]
+    current = next((i for i, line in enumerate(after) if line.startswith("Current thread")), 0)
+    stack = [line for line in after[current:] if line.startswith(("Current thread", "Thread", "File"))]
+    return [lines[fatal[-1]]] + stack[:12] + lines[-1:]
 
 
 def _ranks_from(stdout: str) -> Optional[List[dict]]:

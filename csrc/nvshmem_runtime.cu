@@ -226,8 +226,21 @@ void LowLatencyRuntime::check_layout(const LowLatencyLayout& layout, const char*
                   << num_rdma_bytes_ << " (Buffer.get_low_latency_rdma_size_hint)");
 }
 
+void LowLatencyRuntime::raise_bad_input() {
+  DeviceStatus& s = *memory_.status_host;
+  if (s.bad_input_rank < 0) return;
+  Text out;
+  out << "rank " << s.bad_input_rank << ": topk_idx[" << s.bad_input_detail[0] << ", " << s.bad_input_detail[1]
+      << "] = " << s.bad_input_detail[2] << " in its previous low_latency_dispatch is not an expert id (expected -1 "
+      << "or a value in [0, num_experts)); that dispatch and its combine treated it as -1 (the token skipped that "
+      << "expert). This low_latency_dispatch sent nothing; the Buffer stays usable";
+  s.bad_input_rank = -1;  // raised once: the next dispatch runs
+  throw InvalidArgument(out.str());
+}
+
 void LowLatencyRuntime::dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream) {
   require_alive();
+  if (args.phases & low_latency::kPhaseSend) raise_bad_input();
   args.layout.num_ranks = num_ranks_;
   check_layout(args.layout, "low_latency_dispatch");
   const bool send = (args.phases & low_latency::kPhaseSend) != 0, tokens = send && args.num_tokens > 0;

@@ -59,7 +59,8 @@ class LowLatencyRuntime {
   // Whether each PE is reached with direct stores (NVLink / same GPU) rather than the network.
   std::vector<bool> direct_peers() const;
 
-  // Fill the runtime-owned fields of the Args for round `parity` and launch.
+  // Fill the runtime-owned fields of the Args for round `parity` and launch. A dispatch's send first
+  // raises (ValueError) an expert id out of range that an earlier dispatch recorded, launching nothing.
   void dispatch(low_latency::DispatchArgs args, int parity, cudaStream_t stream);
   void combine(low_latency::CombineArgs args, int parity, cudaStream_t stream);
   // Whether a dispatch of these sizes may carry topk_weights for expert-side sums: every peer is
@@ -82,6 +83,9 @@ class LowLatencyRuntime {
 
  private:
   void require_alive() const;
+  // Throws InvalidArgument naming the bad topk_idx entry a dispatch kernel recorded (rank, token, k,
+  // value) and clears the record; nothing if none.
+  void raise_bad_input();
   void check_layout(const low_latency::LowLatencyLayout& layout, const char* op) const;
   // The layout admits expert-side sums and nvshmem_ptr reaches every PE.
   bool expert_sums_allowed(const low_latency::LowLatencyLayout& layout) const;

@@ -653,7 +653,9 @@ class Buffer:
 
         Arguments:
             x: `[T, H]` bf16, T <= `num_max_dispatch_tokens_per_rank`, rows a multiple of 16 bytes.
-            topk_idx: `[T, K]` int64 expert ids, `-1` = not routed.
+            topk_idx: `[T, K]` int64 expert ids, `-1` = not routed. Without `check_inputs` an id outside
+                [-1, num_experts) counts as -1; the native backend then raises a ValueError naming it at
+                this rank's next low_latency_dispatch, which launches nothing (docs/faults.md).
             num_max_dispatch_tokens_per_rank: T_max, identical on all ranks.
             num_experts: total experts, divisible by the number of ranks.
             cumulative_local_expert_recv_stats: `[E_local]` int32, incremented by the tokens each

@@ -93,6 +93,10 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     _this_rank.update(rank=rank, results=results)
     for name, value in NO_MULTICAST_ENV.items():
         os.environ.setdefault(name, value)
+    # NOTE: after a trapped kernel, torch's NCCL watchdog thread meets the stopped context when it polls a
+    # collective still in its list and, by default, rethrows the CUDA error there: std::terminate, SIGABRT,
+    # and the rank never reports. Off, the watchdog logs it and the rank's own error is what it reports.
+    os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     faulthandler.enable()  # a crash in native code still prints this rank's Python stack

@@ -41,12 +41,22 @@ class StandInLowLatencyRuntime:
 
 
 class RecordingLowLatencyRuntime(StandInLowLatencyRuntime):
-    """Keeps each launch: (operation, its Args' fields as they were at the launch, parity)."""
+    """Keeps each launch: (operation, its Args' fields as they were at the launch, parity).
+
+    `bad_input`: the report of an expert id out of range that a dispatch kernel recorded; as the real
+    runtime does, the next dispatch's send raises it as ValueError, clears it and launches nothing.
+    """
+
+    PHASE_SEND = 1  # _C_nvshmem.PHASE_SEND
 
     def __init__(self) -> None:
         self.launches: List[Tuple[str, Dict[str, object], int]] = []
+        self.bad_input: Optional[str] = None
 
     def dispatch(self, args, parity: int, stream: int) -> None:
+        if args.phases & self.PHASE_SEND and self.bad_input is not None:
+            report, self.bad_input = self.bad_input, None
+            raise ValueError(report)
         self.launches.append(("dispatch", fields_of(args), parity))
 
     def combine(self, args, parity: int, stream: int) -> None:

@@ -28,3 +28,22 @@ def test_fault_matrix_cases_on_the_reference_backend(tmp_path):
     assert exited["seconds"] < 60, exited
     assert "WRONG" not in nan["observed"] and "error" not in nan["observed"].lower(), nan
     assert "nan_inf_x" in done.stdout and "0 hangs" in done.stdout, done.stdout
+
+
+def test_a_dead_rank_keeps_the_signal_and_the_stack_of_its_stopped_thread():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import faults
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    stderr = "\n".join([
+        "some log line", "Fatal Python error: Aborted", "",
+        "Thread 0x0001 (most recent call first):", '  File "other.py", line 1 in idle', "",
+        "Current thread 0x0002 (most recent call first):", '  File "faults.py", line 120 in combine',
+        '  File "faults.py", line 190 in run', "", "Extension modules: numpy, torch._C (total: 2)",
+        "launch failed: rank 0 exited with code -6 without a result"])
+    assert faults._stderr_tail(stderr) == [
+        "Fatal Python error: Aborted", "Current thread 0x0002 (most recent call first):",
+        'File "faults.py", line 120 in combine', 'File "faults.py", line 190 in run',
+        "launch failed: rank 0 exited with code -6 without a result"]
+    assert faults._stderr_tail("a\nb\nc\nd") == ["b", "c", "d"]

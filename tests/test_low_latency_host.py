@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 from typing import Callable, Dict, Optional
 
 import pytest
@@ -181,6 +182,28 @@ def case_bad_input_launches_nothing(ctx: Ctx) -> None:
         with pytest.raises(error, match=message):
             call()
     assert len(ctx.runtime.launches) == count, "a rejected call must launch no kernel"
+
+
+def case_recorded_bad_expert_id_raises_at_next_dispatch(ctx: Ctx) -> None:
+    """An expert id out of range that a dispatch kernel recorded: the next dispatch raises it (ValueError),
+    launches nothing and keeps the round; the Buffer stays usable and the call after it runs there."""
+    x, topk_idx = ctx.inputs()
+    ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+    parity = ctx.launch()[2]
+    report = f"rank {ctx.rank}: topk_idx[0, 1] = {NUM_EXPERTS} in its previous low_latency_dispatch"
+    ctx.runtime.bad_input = report  # what the dispatch kernel left in the status
+    count = len(ctx.runtime.launches)
+    with pytest.raises(ValueError, match=re.escape(report)):
+        ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, return_recv_hook=True)
+    assert len(ctx.runtime.launches) == count, "the rejected dispatch must launch nothing"
+    assert ctx.buffer._backend.failure is None, "bad input must not fail the Buffer"
+    _, _, handle, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+    operation, fields, retry_parity = ctx.launch()
+    assert operation == "dispatch" and fields["phases"] == SEND_RECV
+    assert retry_parity == 1 - parity, "the rejected dispatch must keep the round"
+    ctx.buffer.low_latency_combine(ctx.expert_outputs(), topk_idx, torch.rand(x.size(0), TOPK, generator=ctx.gen),
+                                   handle)
+    assert ctx.launch()[0] == "combine" and ctx.launch()[2] == retry_parity
 
 
 CASES = [name for name in globals() if name.startswith("case_")]

@@ -620,3 +620,44 @@ def test_ranks_whose_calls_disagree_on_the_layout_get_a_device_error(differs):
         peers = range(1, RANKS) if rank == 0 else [0]
         assert any(f"rank {rank} got a dispatch from peer {peer} (expert" in message for peer in peers), message
         assert "laid out for another call" in message and "same sequence of low-latency calls" in message, message
+
+
+# ---- an expert id out of range: recorded on the device, raised at the rank's next dispatch ---------
+def bad_expert_id_rank(rank: int, R: int, group, bad_value: int) -> str:
+    """The last rank's topk_idx[3, 1] is `bad_value` (outside [-1, num_experts)); check_inputs is off. The round
+    runs on every rank as if the id were -1 (checked against the reference given -1 there); the culprit's
+    next low_latency_dispatch raises a ValueError naming the entry and launches nothing; then a normal round
+    passes on every rank (the Buffer stays usable, the rounds stay paired)."""
+    ctx = Ctx(rank, R, group, BASE_SEED, timeout_s=10.0)
+    culprit, H, K, E = R - 1, 2048, 4, 64
+    x, ids, weights = make_inputs(ctx, 60, 48, H, K, E, "random")
+    if rank == culprit:
+        ids[3, 1] = bad_value
+    reading = torch.where((ids >= -1) & (ids < E), ids, -1)  # what the kernels read
+    poison_allocator(256)
+    got = ctx.native.low_latency_dispatch(x, ids, T_MAX, E, use_fp8=False)
+    want = ctx.reference.low_latency_dispatch(x, reading, T_MAX, E, use_fp8=False)
+    compare_dispatch(got, want, False)
+    combine_x = expert_outputs(ctx, 60, want[2].recv_shape, want[1].tolist())
+    combined = ctx.native.low_latency_combine(combine_x, ids, weights, got[2])[0]
+    torch.testing.assert_close(combined, ctx.reference.low_latency_combine(combine_x, reading, weights, want[2])[0])
+    torch.cuda.synchronize()
+    error = ""
+    if rank == culprit:
+        with pytest.raises(ValueError) as raised:
+            ctx.native.low_latency_dispatch(x, ids, T_MAX, E, use_fp8=False)
+        error = str(raised.value)
+    ll_case(ctx, 61, H=H, use_fp8=True)
+    ctx.destroy()
+    return error
+
+
+@needs_ranks(RANKS, own_gpus=True, module=_C_nvshmem)
+@pytest.mark.parametrize("bad_value", [64, -2])
+def test_expert_id_out_of_range_is_raised_at_the_next_dispatch(bad_value):
+    results = parallel_launch(RANKS, bad_expert_id_rank, bad_value, timeout_s=150)
+    culprit = RANKS - 1
+    assert results[:culprit] == [""] * culprit, results
+    message = results[culprit]
+    assert f"rank {culprit}: topk_idx[3, 1] = {bad_value} in its previous low_latency_dispatch" in message, message
+    assert "treated it as -1" in message and "sent nothing" in message, message

@@ -59,7 +59,8 @@ struct DeviceStatus {
   // Notify results for the host (non-graph dispatch); `notify_tag` is written last.
   volatile int32_t notify_tag;
   volatile int32_t num_recv_tokens;
-  volatile int32_t bad_input_rank;   // -1, or the rank whose input was rejected
+  volatile int32_t bad_input_rank;   // -1, or the rank whose input was rejected (low latency: set by a dispatch
+                                     // with a bad expert id, cleared by the host once raised)
   volatile int32_t bad_input_code;
   volatile int64_t bad_input_detail[3];
   volatile int32_t num_recv_tokens_per_rank[kMaxNvlPeers];  // rows received from each source rank

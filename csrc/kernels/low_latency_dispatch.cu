@@ -150,28 +150,53 @@ __device__ __forceinline__ bool is_expert(int64_t id, int num_experts) { return 
 
 constexpr int kCountsPerPass = 1024;  // experts one block counts per pass over topk_idx
 
+// One thread: topk_idx[entry] is neither -1 nor an expert id. Records (rank, token, k, value) in the
+// status for the host, which raises it at this rank's next low_latency_dispatch and clears it
+// (LowLatencyRuntime::raise_bad_input). The first record stays until then (graph replays add none).
+// The kernels treat the id as -1 everywhere, so the peers' counts still match.
+__device__ __noinline__ void record_bad_expert_id(const DispatchArgs& a, int64_t entry) {
+  DeviceStatus* status = a.status;
+  if (status->bad_input_rank >= 0) return;
+  status->bad_input_code = kErrBadExpertId;
+  status->bad_input_detail[0] = entry / a.num_topk;
+  status->bad_input_detail[1] = entry % a.num_topk;
+  status->bad_input_detail[2] = __ldg(a.topk_idx + entry);
+  __threadfence_system();  // NOTE: the details reach the host before the rank that marks them valid
+  status->bad_input_rank = a.rank;
+}
+
 // Announces how many messages this rank sends to each expert e = blockIdx.x (mod num_blocks).
 // The count group (warps [kSendWarps, kWarps)): one pass over topk_idx per kCountsPerPass experts,
 // counted in shared memory.
 // NOTE: a count may land before its messages: the receiver compares arrivals with it.
+// Block 0's first pass also finds the first entry of topk_idx that is neither -1 nor an expert id.
 __device__ void announce_expert_counts(const DispatchArgs& a) {
   __shared__ int counts[kCountsPerPass];
+  __shared__ unsigned long long first_bad_entry;
   const LowLatencyLayout& layout = a.layout;
   const int num_experts = layout.num_experts, num_local = layout.num_local_experts();
   const int64_t num_entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   const int block = blockIdx.x, stride = a.num_blocks;
   const int thread = static_cast<int>(threadIdx.x) - kSendThreads;
   for (int first = 0; first * stride + block < num_experts; first += kCountsPerPass) {
+    const bool check_ids = block == 0 && first == 0;
     for (int j = thread; j < kCountsPerPass; j += kCountThreads) counts[j] = 0;
+    if (thread == 0) first_bad_entry = static_cast<unsigned long long>(num_entries);
     sync_threads(kCountBarrier, kCountThreads);
 #pragma unroll 4
     for (int64_t i = thread; i < num_entries; i += kCountThreads) {
       const int64_t id = __ldg(a.topk_idx + i);
-      if (!is_expert(id, num_experts) || static_cast<int>(id) % stride != block) continue;
+      if (!is_expert(id, num_experts)) {
+        if (check_ids && id != -1) atomicMin(&first_bad_entry, static_cast<unsigned long long>(i));
+        continue;
+      }
+      if (static_cast<int>(id) % stride != block) continue;
       const int j = static_cast<int>(id) / stride - first;
       if (j >= 0 && j < kCountsPerPass) atomicAdd(&counts[j], 1);
     }
     sync_threads(kCountBarrier, kCountThreads);
+    if (check_ids && thread == 0 && first_bad_entry < static_cast<unsigned long long>(num_entries))
+      record_bad_expert_id(a, static_cast<int64_t>(first_bad_entry));
     for (int j = thread; j < kCountsPerPass && (first + j) * stride + block < num_experts; j += kCountThreads) {
       const int expert = (first + j) * stride + block;
       // Only a token that selects one expert twice can push a count past T_max; what is sent stops there.

@@ -123,15 +123,17 @@ class LowLatencyMode(NativeBase):
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
 
-    def _next_parity(self) -> int:
-        """The round of this dispatch: rounds alternate, so two dispatch/combine rounds can be in flight.
+    def _launch_round(self, launch: Callable[[int], None], return_recv_hook: bool) -> None:
+        """Launch a dispatch in round `self._ll_parity`, then move to the other round: rounds alternate, so
+        two dispatch/combine rounds can be in flight.
 
-        Every rank makes the same sequence of calls, so every rank picks the same round. Under CUDA-graph
-        capture the round is fixed into the graph (each replay repeats the captured sequence).
+        Every rank makes the same sequence of calls, so every rank picks the same round. A dispatch the
+        runtime rejects (a bad expert id an earlier dispatch recorded, raised as ValueError) sent nothing
+        and keeps the round. Under CUDA-graph capture the round is fixed into the graph (each replay
+        repeats the captured sequence).
         """
-        parity = self._ll_parity
+        self._launch_phases(launch, return_recv_hook)
         self._ll_parity ^= 1
-        return parity
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
@@ -157,7 +159,7 @@ class LowLatencyMode(NativeBase):
         recv_count = self._empty(num_local, dtype=torch.int32)
         recv_src_info = self._empty(num_local, num_slots, dtype=torch.int32)
         recv_layout = self._empty(num_local, R, dtype=torch.int64)
-        parity = self._next_parity()
+        parity = self._ll_parity
         # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
         # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
         expert_sums = topk_weights is not None and runtime.supports_expert_sums(
@@ -181,7 +183,7 @@ class LowLatencyMode(NativeBase):
             args.phases = phases
             runtime.dispatch(args, parity, self._stream())
 
-        self._launch_phases(launch, return_recv_hook)
+        self._launch_round(launch, return_recv_hook)
         handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                   num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
