@@ -13,7 +13,6 @@ import torch
 
 import ep_plugin
 from ep_plugin import _C
-from ep_plugin.backends.native_common import address_of
 from ep_plugin.bench import random_routing
 from ep_plugin.launch import parallel_launch, rank_device
 
@@ -38,20 +37,20 @@ def median_us(step: Callable[[], object], iters: int = 400) -> str:
 def pieces(buffer, device, topk_idx) -> Dict[str, Callable[[], object]]:
     backend = buffer._backend
     R = buffer.group_size
-    counts = torch.empty(EXPERTS + R, dtype=torch.int32, device=device)
+    per_rank = torch.empty(R, dtype=torch.int32, device=device)
+    per_expert = torch.empty(EXPERTS, dtype=torch.int32, device=device)
     in_rank = torch.empty(TOKENS, R, dtype=torch.bool, device=device)
     stream = backend._stream()
     return {
         "Buffer.get_dispatch_layout": lambda: buffer.get_dispatch_layout(topk_idx, EXPERTS),
         "backend.get_dispatch_layout": lambda: backend.get_dispatch_layout(topk_idx, EXPERTS),
-        f"torch.empty int32[{EXPERTS + R}]": lambda: torch.empty(EXPERTS + R, dtype=torch.int32, device=device),
+        f"torch.empty int32[{EXPERTS}]": lambda: torch.empty(EXPERTS, dtype=torch.int32, device=device),
         f"torch.empty bool[{TOKENS},{R}]": lambda: torch.empty(TOKENS, R, dtype=torch.bool, device=device),
-        "two slices of the counts": lambda: (counts[:EXPERTS], counts[EXPERTS:]),
+        "a slice": lambda: per_expert[:EXPERTS // 2],
         "_C.get_dispatch_layout": lambda: _C.get_dispatch_layout(
-            topk_idx=address_of(topk_idx), num_tokens=TOKENS, num_topk=TOPK, num_experts=EXPERTS, num_ranks=R,
-            ranks_per_node=R, counts=address_of(counts), count_nodes=False, is_token_in_rank=address_of(in_rank),
-            stream=stream),
-        "a torch launch (counts.zero_())": lambda: counts.zero_(),
+            topk_idx.data_ptr(), TOKENS, TOPK, EXPERTS, R, R, per_rank.data_ptr(), 0, per_expert.data_ptr(),
+            in_rank.data_ptr(), stream),
+        "a torch launch (per_expert.zero_())": lambda: per_expert.zero_(),
     }
 
 
