@@ -83,6 +83,7 @@ def _profile(steps: Dict[str, Callable[[], None]], iters: int, top: int) -> str:
         profiler.disable()
         _synchronize()
     text = io.StringIO()
+    text.write(f"==== {', '.join(steps)}\n")
     stats = pstats.Stats(profiler, stream=text)
     text.write(f"---- by own time ({iters} rounds; times are totals over the rounds)\n")
     stats.sort_stats("tottime").print_stats(top)
@@ -152,10 +153,12 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
     times = {"get_dispatch_layout": _eager_times(lambda: normal.get_dispatch_layout(topk_idx, args.experts),
                                                  args.iters),
              "ll_dispatch+combine": _eager_times(ll_pair, args.iters)}
-    # Where an ep_plugin pair's host time goes (plain torch defaults; every rank makes the calls, rank 0 reports).
+    # Where an ep_plugin pair's host time goes, with and without the global defaults (every rank makes the
+    # calls, rank 0 reports).
     profile = ""
-    if library == "ep_plugin" and not global_defaults:
-        profile = _profile({"ll_pair": ll_pair}, args.iters, args.top)
+    if library == "ep_plugin":
+        profile = _profile({"ll_pair" + (" (global default cuda/bf16)" if global_defaults else ""): ll_pair},
+                           args.iters, args.top)
     _synchronize()
     ll.destroy()
     normal.destroy()
