@@ -13,8 +13,10 @@ for ep_plugin and, where `deep_ep` is importable, DeepEP V1, each in its own lau
 (both start NVSHMEM), with and without torch.set_default_device("cuda") + set_default_dtype(bf16).
 "host" is the median host time of one call (perf_counter); "wall" is the time of --iters calls
 back to back divided by --iters, with one synchronisation at the end (the larger of host and GPU).
+`--repeat N` runs every configuration N times, every other time in reverse order (a row's time
+could owe to its place in the run rather than to its settings).
 
-    python3 benchmarks/profile_host.py --eager --tokens 128 --iters 500 --ranks 2
+    python3 benchmarks/profile_host.py --eager --tokens 128 --iters 500 --ranks 2 --repeat 2
 """
 from __future__ import annotations
 
@@ -171,13 +173,18 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
           f"{args.hidden}, top-{args.topk} of {args.experts} experts, {ranks} ranks, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
     profiles = []
-    for library in libraries:
-        for global_defaults in (False, True):
-            result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
-            label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
-            print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
-                                             for name, t in result["times"].items()))
-            profiles.append(result["profile"])  # rank 0's
+    for repeat in range(args.repeat):
+        # Every other round in the opposite order: a row that only ever runs first or last could owe its
+        # time to its place (process placement, clocks) rather than to its settings.
+        order = (False, True) if repeat % 2 == 0 else (True, False)
+        for library in libraries if repeat % 2 == 0 else libraries[::-1]:
+            for global_defaults in order:
+                result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
+                label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
+                print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
+                                                 for name, t in result["times"].items()))
+                if repeat == 0:
+                    profiles.append(result["profile"])  # rank 0's
     print("".join(profiles))
 
 
@@ -190,6 +197,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--top", type=int, default=30, help="functions listed per table")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="--eager: run every configuration this many times, every other time in reverse order")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30)
     parser.add_argument("--eager", action="store_true", help="eager per-call times, ep_plugin and DeepEP V1")
     args = parser.parse_args()
