@@ -65,14 +65,14 @@ class IntranodeMode(NativeBase):
             self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
         info = self.info
-        R, ranks_per_node, device = info.num_ranks, info.ranks_per_node, info.device
+        R, device = info.num_ranks, info.device
         # NOTE: one torch.empty per output, no views of a shared one, and the kernel by position: the
         # fewest Python operations (host time of an eager call). The kernel writes every entry.
         per_rank = torch.empty(R, dtype=torch.int32, device=device)
-        per_node = None if ranks_per_node == R else torch.empty(R // ranks_per_node, dtype=torch.int32, device=device)
+        per_node = None if info.is_intranode else torch.empty(info.num_nodes, dtype=torch.int32, device=device)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
         in_rank = torch.empty(T, R, dtype=torch.bool, device=device)
-        _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, ranks_per_node, per_rank.data_ptr(),
+        _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, info.ranks_per_node, per_rank.data_ptr(),
                                0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
                                in_rank.data_ptr(), self._stream())
         return per_rank, per_node, per_expert, in_rank
