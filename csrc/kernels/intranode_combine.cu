@@ -1,13 +1,17 @@
 // Intranode combine: every received row goes back to its source rank, which sums all copies of
 // each token in fp32 (plus optional biases) and writes bf16.
 //
-// Grid: 2 blocks per channel (even = sender, odd = receiver), kWarpsPerChannel warps each.
-// The receiver ("owner") side mirrors dispatch's token split: channel c owns a contiguous chunk of
-// the owner's tokens and owner warp w every kWarpsPerChannel-th token of it. A sender warp w on
-// rank r sends back, in token order, exactly the rows of the tokens that owner warp w handles, into
-// the sub-ring (c, w) that owner warp consumes; so the owner finds the copy of its next token from
-// rank r in the next slot of that ring. The owner's own copy is read straight from its input `x`.
-// A wait that expires (Deadline::expired) ends its lane's or warp's part; every warp still reaches the
+// Grid: 2 blocks per channel (even = sender, odd = receiver), kWarpsPerChannel warps each. Channel c
+// owns a contiguous chunk of each owner's tokens, as in dispatch. Rows from sender s for owner o's channel
+// c go, in o's token order, into one ring per (channel, sender) in o's buffer: the channel's sub-rings of
+// RingLayout side by side (combine_ring_slots slots).
+// - Sender block: its warps are split into one group per owner; a group sends its channel's rows for that
+//   owner in chunks of send_chunk rows, one row per warp at a time, then its leader publishes the tail.
+// - Receiver block: warp 0 polls each sender's tail into shared memory and returns freed slots (head) to
+//   the sender; the other warps take the channel's tokens in turn, each as soon as its copies are in, and
+//   mark their slots done. No receiver warp waits for one particular sender warp.
+// The owner's own copy is read straight from its input `x`.
+// A wait that expires (Deadline::expired) ends its warp's or group's part; every warp still reaches the
 // block's end (finish_operation), and the outputs are undefined.
 #include "../common/bf16.cuh"
 #include "../common/exception.cuh"
@@ -18,157 +22,189 @@
 namespace ep_plugin::intranode {
 namespace {
 
-// Sends one row into the owner's ring; lane `owner` holds that ring's state.
-__device__ __forceinline__ void send_row(const CombineArgs& a, const RingLayout& layout, int row, int owner,
-                                         uint8_t* ring, uint64_t* remote_tail, uint32_t epoch, uint32_t chunk,
-                                         uint32_t& sent, uint32_t& published) {
-  const int lane = lane_id();
-  uint8_t* slot = static_cast<uint8_t*>(
-      shfl_ptr(lane == owner ? ring + static_cast<int64_t>(sent % layout.slots) * layout.slot_bytes : nullptr, owner));
-  warp_copy_bytes<Load::kReadOnly>(slot + kSlotPayloadOffset,
-                                   static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2,
-                                   2LL * a.hidden);
-  if (a.num_topk > 0 && lane < a.num_topk)
-    reinterpret_cast<SlotMeta*>(slot)->topk_weights[lane] = a.topk_weights[static_cast<int64_t>(row) * a.num_topk + lane];
-  // NOTE: the warp barrier orders every lane's slot writes before the owner's release of the tail.
-  __syncwarp();
-  if (lane == owner && ++sent - published >= chunk)
-    st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
+// Slots of a (channel, sender) ring; capped so that the receiver's done flags fit shared memory.
+constexpr int kMaxCombineRingSlots = 512;
+__device__ __forceinline__ int combine_ring_slots(const RingLayout& layout) {
+  const int slots = layout.slots * kWarpsPerChannel;
+  return slots < kMaxCombineRingSlots ? slots : kMaxCombineRingSlots;
 }
 
-// NOTE: the sender serves its owners round-robin and never blocks on one full ring while another
-// has room: an owner waits for all copies of a token, so blocking here could close a cycle.
+// The named barrier of a sender group (id 0 is __syncthreads'); the warp reconverges first (its leader
+// lane may come from a wait of its own).
+__device__ __forceinline__ void sync_group(int group, int threads) {
+  __syncwarp();
+  asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(threads) : "memory");
+}
+
+// Sender group `group` (warps w with w % (R - 1) == group) returns rows to owner rank + 1 + group.
 __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
                                int channel, int warp, const WaitSite& site) {
+  __shared__ int group_expired[kMaxNvlPeers];
   const int lane = lane_id();
   const int R = a.num_ranks;
-  // Lane s drives the sub-ring towards owner rank s and keeps its cursor over the rows to send.
-  const bool owns_ring = lane < R && lane != a.rank;
-  uint8_t* ring = nullptr;
-  uint64_t* remote_tail = nullptr;
-  const uint64_t* head = nullptr;
-  if (owns_ring) {
-    ring = reinterpret_cast<uint8_t*>(a.peer_buffers[lane]) + layout.ring_offset(lane, a.rank, channel, warp);
-    remote_tail = &header_of(a.peer_buffers, lane)->tails[a.rank][channel][warp];
-    head = &me->heads[lane][channel][warp];
-  }
-  // Tails are published once per chunk and at the end of each owner's turn (see dispatch).
-  uint32_t sent = 0, published = 0, consumed = 0;
-  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
-  int cursor = 0, last = 0, token_begin = 0;
-  for (int owner = 0; owner < R; ++owner) {
-    if (owner == a.rank) continue;
-    // Rows from `owner` whose source token lies in this channel's chunk of the owner's tokens.
-    int begin, end;
-    channel_token_range(a.src_num_tokens[owner], a.num_channels, channel, begin, end);
-    const int rows_begin = a.recv_rank_offsets[owner], rows_end = a.recv_rank_offsets[owner + 1];
-    const int first = warp_lower_bound(a.recv_src_idx, rows_begin, rows_end, begin);
-    const int stop = warp_lower_bound(a.recv_src_idx, first, rows_end, end);
-    if (lane == owner) cursor = first, last = stop, token_begin = begin;
-  }
+  const int peers = R - 1;
+  if (peers == 0) return;
+  const int group = warp % peers;
+  const int group_warps = (kWarpsPerChannel - group + peers - 1) / peers;
+  const int index_in_group = warp / peers;
+  const bool leader = index_in_group == 0;
+  const int owner = (a.rank + 1 + group) % R;
 
-  Deadline deadline(site);
-  bool expired = false;
-  while (__any_sync(0xffffffffu, cursor < last)) {
-    bool progressed = false;
-    for (int owner = 0; owner < R; ++owner) {
-      if (owner == a.rank) continue;
-      int row = shfl(cursor, owner);
-      const int end = shfl(last, owner), begin = shfl(token_begin, owner);
-      if (row >= end) continue;
-      if (lane == owner) {
+  // This channel's rows for `owner`: those whose source token lies in the channel's chunk of its tokens.
+  int begin, end;
+  channel_token_range(a.src_num_tokens[owner], a.num_channels, channel, begin, end);
+  const int rows_begin = a.recv_rank_offsets[owner], rows_end = a.recv_rank_offsets[owner + 1];
+  const int first = warp_lower_bound(a.recv_src_idx, rows_begin, rows_end, begin);
+  const int total = warp_lower_bound(a.recv_src_idx, first, rows_end, end) - first;
+
+  uint8_t* ring = reinterpret_cast<uint8_t*>(a.peer_buffers[owner]) + layout.ring_offset(owner, a.rank, channel, 0);
+  uint64_t* remote_tail = &header_of(a.peer_buffers, owner)->tails[a.rank][channel][0];
+  const uint64_t* head = &me->heads[owner][channel][0];
+  const int slots = combine_ring_slots(layout);
+  const int chunk = a.send_chunk < slots ? a.send_chunk : slots;
+  const int threads = group_warps * 32;
+  if (leader && lane == 0) group_expired[group] = 0;
+  sync_group(group, threads);
+
+  int sent = 0;
+  while (sent < total) {
+    const int count = chunk < total - sent ? chunk : total - sent;
+    // The leader waits for room for the chunk; the group learns the outcome at the barrier.
+    if (leader && lane == 0) {
+      Deadline deadline(site);
+      uint32_t consumed = 0;
+      while (true) {
         const uint64_t word = ld_acquire_sys(head);
         if (counter_epoch(word) == epoch) consumed = counter_count(word);
-      }
-      uint32_t free_slots = shfl(static_cast<uint32_t>(layout.slots) - (sent - consumed), owner);
-      while (free_slots > 0 && row < end) {
-        const int candidate = row + lane;
-        const bool mine = candidate < end && (a.recv_src_idx[candidate] - begin) % kWarpsPerChannel == warp;
-        const uint32_t rows = __ballot_sync(0xffffffffu, mine);
-        if (rows == 0) {
-          row = row + 32 < end ? row + 32 : end;
-          continue;
+        if (sent + count - static_cast<int>(consumed) <= slots) break;
+        if (deadline.expired(kWaitFreeSlot, owner, sent + count - slots, consumed)) {
+          group_expired[group] = 1;
+          break;
         }
-        const int next = row + __ffs(rows) - 1;
-        send_row(a, layout, next, owner, ring, remote_tail, epoch, chunk, sent, published);
-        row = next + 1;
-        --free_slots;
-        progressed = true;
-      }
-      if (lane == owner) {
-        cursor = row;
-        if (published != sent) st_release_sys(remote_tail, pack_counter(epoch, published = sent, false));
       }
     }
-    if (progressed) {
-      deadline.restart();
-    } else if (cursor < last && deadline.expired(kWaitFreeSlot, lane, sent + 1 - layout.slots, consumed)) {
-      expired = true;
-      last = cursor;  // this lane's owner gets no more rows
+    sync_group(group, threads);
+    if (group_expired[group]) return;
+    for (int i = index_in_group; i < count; i += group_warps) {
+      const int row = first + sent + i;
+      uint8_t* slot = ring + static_cast<int64_t>((sent + i) % slots) * layout.slot_bytes;
+      warp_copy_bytes<Load::kReadOnly>(slot + kSlotPayloadOffset,
+                                       static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2,
+                                       2LL * a.hidden);
+      if (a.num_topk > 0 && lane < a.num_topk)
+        reinterpret_cast<SlotMeta*>(slot)->topk_weights[lane] =
+            a.topk_weights[static_cast<int64_t>(row) * a.num_topk + lane];
     }
+    sent += count;
+    // NOTE: the barrier orders every warp's slot writes before the leader's release of the tail.
+    sync_group(group, threads);
+    if (leader && lane == 0) st_release_sys(remote_tail, pack_counter(epoch, sent, false));
   }
 
-  // Final count to each owner, then wait until everything sent was consumed (see dispatch).
-  if (owns_ring && !expired) {
-    st_release_sys(remote_tail, pack_counter(epoch, sent, true));
-    Deadline drain(site);
-    while (true) {
-      const uint64_t word = ld_acquire_sys(head);
-      if (counter_epoch(word) == epoch) consumed = counter_count(word);
-      if (consumed == sent && counter_epoch(word) == epoch) break;
-      if (drain.expired(kWaitDrain, lane, sent, consumed)) break;
-    }
+  // Final count, then the leader waits until everything sent was consumed (the next operation reuses the ring).
+  if (!leader || lane != 0) return;
+  st_release_sys(remote_tail, pack_counter(epoch, sent, true));
+  Deadline drain(site);
+  while (true) {
+    const uint64_t word = ld_acquire_sys(head);
+    if (counter_epoch(word) == epoch && static_cast<int>(counter_count(word)) == sent) break;
+    if (drain.expired(kWaitDrain, owner, sent, counter_epoch(word) == epoch ? counter_count(word) : 0)) break;
   }
 }
 
-__device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
-                                 int channel, int warp, const WaitSite& site) {
+// What the receiver block's warps share: where each sender's rows of this channel start, how far each
+// sender's ring is filled, which slots are summed, and how many summing warps are done.
+struct ReceiverState {
+  int base[kMaxNvlPeers];                                  // [src]: src's row of the channel's first token it holds
+  volatile uint32_t tail[kMaxNvlPeers];                    // [src]: rows src has published
+  volatile uint8_t done[kMaxNvlPeers][kMaxCombineRingSlots];  // [src][slot]: summed, not yet returned
+  volatile int retired;                                    // summing warps that have finished
+};
+
+// Warp 0, lane s: src s's row (send_pos) of the channel's first token that has a copy on s.
+__device__ void find_bases(const CombineArgs& a, int token_begin, int token_end, ReceiverState& state) {
+  const int lane = lane_id();
+  for (int s = 0; s < a.num_ranks; ++s) {
+    int base = 0;
+    for (int t0 = token_begin; t0 < token_end; t0 += 32) {
+      const int t = t0 + lane;
+      const int pos = t < token_end ? a.send_pos[static_cast<int64_t>(t) * a.num_ranks + s] : -1;
+      const uint32_t held = __ballot_sync(0xffffffffu, pos >= 0);
+      if (held != 0) {
+        base = shfl(pos, __ffs(held) - 1);
+        break;
+      }
+    }
+    if (lane == 0) state.base[s] = base;
+  }
+}
+
+// Warp 0, lane s: moves sender s's tail into shared memory and returns summed slots to s, until every
+// summing warp has finished; then the final head, so that a sender with nothing left ends its drain.
+__device__ void coordinate_ring(const CombineArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
+                                int channel, ReceiverState& state) {
+  const int lane = lane_id();
+  const bool owns_ring = lane < a.num_ranks && lane != a.rank;
+  const uint64_t* tail = owns_ring ? &me->tails[lane][channel][0] : nullptr;
+  uint64_t* remote_head = owns_ring ? &header_of(a.peer_buffers, lane)->heads[a.rank][channel][0] : nullptr;
+  const int slots = combine_ring_slots(layout);
+  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < slots ? a.send_chunk : slots);
+  uint32_t head = 0, published = 0;
+  while (true) {
+    const bool finished = state.retired == kWarpsPerChannel - 1;
+    if (owns_ring) {
+      const uint64_t word = ld_acquire_sys(tail);
+      if (counter_epoch(word) == epoch) state.tail[lane] = counter_count(word);
+      while (state.done[lane][head % slots]) {
+        state.done[lane][head % slots] = 0;
+        ++head;
+      }
+      // Once per chunk, and whenever everything that arrived is summed: a sender whose next chunk needs
+      // the slots of a partial chunk would otherwise wait for them.
+      if (head != published && (head - published >= chunk || head == state.tail[lane]))
+        st_release_sys(remote_head, pack_counter(epoch, published = head, false));
+    }
+    if (__all_sync(0xffffffffu, finished)) break;
+  }
+  if (owns_ring) st_release_sys(remote_head, pack_counter(epoch, head, false));
+}
+
+// Summing warp `warp` (1..): tokens token_begin + warp - 1, then every (kWarpsPerChannel - 1)-th.
+__device__ void sum_channel_tokens(const CombineArgs& a, const RingLayout& layout, int channel, int warp,
+                                   int token_begin, int token_end, ReceiverState& state, const WaitSite& site) {
   const int lane = lane_id();
   const int R = a.num_ranks;
   const int num_units = a.hidden / 8;
-  int token_begin, token_end;
-  channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
-
-  // Lane s drives the sub-ring that rank s fills with this warp's tokens.
-  const bool owns_ring = lane < R && lane != a.rank;
-  const uint8_t* ring = nullptr;
-  const uint64_t* tail = nullptr;
-  uint64_t* remote_head = nullptr;
-  if (owns_ring) {
-    ring = reinterpret_cast<const uint8_t*>(a.peer_buffers[a.rank]) + layout.ring_offset(a.rank, lane, channel, warp);
-    tail = &me->tails[lane][channel][warp];
-    remote_head = &header_of(a.peer_buffers, lane)->heads[a.rank][channel][warp];
-  }
-  // Heads are published once per chunk and always before waiting (the sender may be waiting for space).
-  uint32_t consumed = 0, available = 0, published = 0;
-  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < layout.slots ? a.send_chunk : layout.slots);
+  const int slots = combine_ring_slots(layout);
+  // Lane s: the ring that sender s fills for this channel.
+  const bool is_source = lane < R && lane != a.rank;
+  const uint8_t* ring = is_source ? reinterpret_cast<const uint8_t*>(a.peer_buffers[a.rank]) +
+                                        layout.ring_offset(a.rank, lane, channel, 0)
+                                  : nullptr;
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
-
-  for (int t = token_begin + warp; t < token_end; t += kWarpsPerChannel) {
+  const int base = is_source ? state.base[lane] : 0;
+  for (int t = token_begin + warp - 1; t < token_end; t += kWarpsPerChannel - 1) {
     const int pos = lane < R ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
     const uint32_t src_mask = __ballot_sync(0xffffffffu, pos >= 0);
+    const bool remote = is_source && pos >= 0;
+    const uint32_t index = remote ? static_cast<uint32_t>(pos - base) : 0u;  // the row's place in s's stream
 
-    // Wait until each remote copy of this token has arrived.
+    // Wait until each remote copy of this token is in its ring.
     bool expired = false;
-    if (owns_ring && pos >= 0 && available <= consumed) {
-      if (published != consumed) st_release_sys(remote_head, pack_counter(epoch, published = consumed, false));
+    if (remote) {
       Deadline deadline(site);
-      while (true) {
-        const uint64_t word = ld_acquire_sys(tail);
-        if (counter_epoch(word) == epoch) available = counter_count(word);
-        if (available > consumed) break;
-        if ((expired = deadline.expired(kWaitData, lane, consumed + 1, available))) break;
-      }
+      while (state.tail[lane] <= index)
+        if ((expired = deadline.expired(kWaitData, lane, index + 1, state.tail[lane]))) break;
     }
-    if (__any_sync(0xffffffffu, expired)) return;
-    // NOTE: orders the owners' acquire loads before every lane's reads of the slots.
+    if (__any_sync(0xffffffffu, expired)) break;
+    // NOTE: orders the warp's reads of the tails (acquired by warp 0) before its reads of the slots.
+    __threadfence_block();
     __syncwarp();
 
+    const uint8_t* own_slot = remote ? ring + static_cast<int64_t>(index % slots) * layout.slot_bytes : nullptr;
     const int4* src[kMaxNvlPeers];
     const float* src_weights[kMaxNvlPeers];
-    const uint8_t* own_slot =
-        owns_ring ? ring + static_cast<int64_t>(consumed % layout.slots) * layout.slot_bytes : nullptr;
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r) {
       const uint8_t* slot = static_cast<const uint8_t*>(shfl_ptr(own_slot, r < R ? r : 0));
@@ -185,7 +221,6 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
         }
       }
     }
-
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
     sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
                      bias_1 == nullptr ? nullptr : bias_1 + row_units,
@@ -193,13 +228,28 @@ __device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout,
     if (a.combined_topk_weights != nullptr)
       sum_token_weights(src_weights, a.rank, a.num_topk, a.combined_topk_weights + static_cast<int64_t>(t) * a.num_topk);
 
-    // Hand the slot back to its sender.
+    // NOTE: every lane's reads of the slots are done before the slot is marked summed.
     __syncwarp();
-    if (owns_ring && pos >= 0 && ++consumed - published >= chunk)
-      st_release_sys(remote_head, pack_counter(epoch, published = consumed, false));
+    __threadfence_block();
+    if (remote) state.done[lane][index % slots] = 1;
   }
-  // Acknowledge, so that a sender with nothing for this warp can finish its drain.
-  if (owns_ring) st_release_sys(remote_head, pack_counter(epoch, consumed, false));
+  __syncwarp();
+  if (lane == 0) atomicAdd(const_cast<int*>(&state.retired), 1);
+}
+
+__device__ void combine_receiver(const CombineArgs& a, const RingLayout& layout, Header* me, uint32_t epoch,
+                                 int channel, int warp, const WaitSite& site) {
+  __shared__ ReceiverState state;
+  int token_begin, token_end;
+  channel_token_range(a.num_tokens, a.num_channels, channel, token_begin, token_end);
+  for (int i = threadIdx.x; i < kMaxNvlPeers * kMaxCombineRingSlots; i += blockDim.x)
+    state.done[i / kMaxCombineRingSlots][i % kMaxCombineRingSlots] = 0;
+  if (threadIdx.x < kMaxNvlPeers) state.tail[threadIdx.x] = 0;
+  if (threadIdx.x == 0) state.retired = 0;
+  if (warp == 0) find_bases(a, token_begin, token_end, state);
+  __syncthreads();
+  if (warp == 0) coordinate_ring(a, layout, me, epoch, channel, state);
+  else sum_channel_tokens(a, layout, channel, warp, token_begin, token_end, state, site);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_kernel(CombineArgs args) {
