@@ -64,8 +64,8 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
 
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
-# combine (no staging area) at more ranks, where the copy engines are slower (4x H200, BF16, 24 SMs:
-# 981.1-1038.7 us against the SM combine's 780.2 with its 2 / 64 rings; docs/performance.md).
+# combine (no staging area) at more ranks, where the copy engines are slower (EP4, BF16, 24 SMs: 4x H200
+# 981.1-1038.7 us against an older SM combine's 780.2; the SM combine now takes 617.7 us on 4x H100).
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 
@@ -234,10 +234,11 @@ def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:
     return _default_config(num_sms, num_ranks)
 
 
-# The SM combine at 3-8 ranks: sub-rings of 64 tokens published every 2 (4x H200, BF16,
-# 24 SMs: 784.0 us against 961.5 with 6 / 128; 3 / 96 836.7, 4 / 128 921.5, 4 / 64 1002.7, 8 / 256 1140.7).
-COMBINE_SEND_TOKENS_MANY_RANKS = 2
-COMBINE_RECV_TOKENS_MANY_RANKS = 64
+# The SM combine at 3-8 ranks: rings of 256 rows published every 9 (DeepEP V1's own chunks at 4 ranks).
+# 4x H100, EP4, BF16, 24 SMs, kernel time per rank: 687-716 us against 722-793 with 24 / 512,
+# 779-833 with 48 / 512, 845-932 with 6 / 256 and 1293-1356 with 2 / 64 (docs/performance.md).
+COMBINE_SEND_TOKENS_MANY_RANKS = 9
+COMBINE_RECV_TOKENS_MANY_RANKS = 256
 
 
 def default_combine_config(num_sms: int, num_ranks: int) -> Config:

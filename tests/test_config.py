@@ -399,7 +399,7 @@ def test_yaml_tuning_is_what_dispatch_and_combine_use():
 
 
 def test_default_ring_tuning_by_rank_count():
-    """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 2 / 64 at 3-8 ranks
+    """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 9 / 256 at 3-8 ranks
     (measured at 4, docs/performance.md); dispatch and internode keep theirs."""
     from ep_plugin import Buffer
     from ep_plugin.tuning import default_combine_config, default_dispatch_config
@@ -407,10 +407,10 @@ def test_default_ring_tuning_by_rank_count():
     def rings(config):
         return config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
 
-    for ranks, dispatch, combine in ((2, (4, 128), (4, 128)), (3, (6, 128), (2, 64)), (4, (6, 128), (2, 64)),
-                                     (8, (6, 128), (2, 64)), (16, (6, 128), (6, 128))):
+    for ranks, dispatch, combine in ((2, (4, 128), (4, 128)), (3, (6, 128), (9, 256)), (4, (6, 128), (9, 256)),
+                                     (8, (6, 128), (9, 256)), (16, (6, 128), (6, 128))):
         assert rings(default_dispatch_config(24, ranks)) == dispatch, ranks
         assert rings(default_combine_config(24, ranks)) == combine, ranks
     # A config section still overrides the default.
-    tuned = Buffer._combine_config_for(as_config({"combine": {"nvl_chunked_recv_tokens": 256}}), 4)
-    assert rings(tuned) == (2, 256)
+    tuned = Buffer._combine_config_for(as_config({"combine": {"nvl_chunked_recv_tokens": 512}}), 4)
+    assert rings(tuned) == (9, 512)
