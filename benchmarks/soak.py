@@ -31,6 +31,7 @@ from ep_plugin.testing import raw_bytes  # noqa: E402
 
 HIDDENS = (256, 512, 2048, 7168)
 T_MAX, K, LOCAL_EXPERTS = 64, 4, 4
+PROGRESS_EVERY = 1000  # iterations between rank 0's progress lines
 
 
 def make_buffer(group, backend: str, low_latency: bool, timeout_s: float, explicitly_destroy: bool = False):
@@ -74,9 +75,15 @@ def normal_round(buffer, x, ids, weights, num_experts: int):
     return [recv_x, recv_ids, recv_w], combined
 
 
-def low_latency_round(buffer, x, ids, weights, num_experts: int):
+def low_latency_pair(buffer, x, ids, weights, num_experts: int):
+    """Dispatch + combine, nothing read back to the host (a CUDA graph captures it)."""
     recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, ids, T_MAX, num_experts, use_fp8=False)
     combined, _, _ = buffer.low_latency_combine(recv_x, ids, weights, handle)
+    return recv_x, count, combined
+
+
+def low_latency_round(buffer, x, ids, weights, num_experts: int):
+    recv_x, count, combined = low_latency_pair(buffer, x, ids, weights, num_experts)
     valid = [recv_x[e, :n] for e, n in enumerate(count.tolist())]
     return [count] + valid, combined
 
@@ -100,7 +107,7 @@ class GraphRound:
         self.weights = torch.zeros(T_MAX, K, device=device)
 
         def step():
-            return low_latency_round(buffer, self.x, self.ids, self.weights, self.num_experts)[1]
+            return low_latency_pair(buffer, self.x, self.ids, self.weights, self.num_experts)[2]
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -167,6 +174,8 @@ def soak_rank(rank: int, R: int, group, args: dict) -> dict:
                 compare(got, run(references[low_latency], x, ids, weights, num_experts), f"iteration {i}")
         counts["low_latency" if low_latency else "normal"] += 1
         counts["checks"] += check
+        if rank == 0 and (i + 1) % PROGRESS_EVERY == 0:
+            print(f"soak: {i + 1} of {args['iters']} iterations, {time.monotonic() - started:.1f} s", flush=True)
     after_soak = memory(device)
     for cycle in range(args["cycles"]):
         buffer = make_buffer(group, args["backend"], cycle % 2 == 1, args["timeout_s"], explicitly_destroy=True)
