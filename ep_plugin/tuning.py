@@ -234,19 +234,20 @@ def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:
     return _default_config(num_sms, num_ranks)
 
 
-# The SM combine at 3-8 ranks: rings of 256 rows published every 9 (DeepEP V1's own chunks at 4 ranks).
-# 4x H100, EP4, BF16, 24 SMs, kernel time per rank: 687-716 us against 722-793 with 24 / 512,
-# 779-833 with 48 / 512, 845-932 with 6 / 256 and 1293-1356 with 2 / 64 (docs/performance.md).
-COMBINE_SEND_TOKENS_MANY_RANKS = 9
-COMBINE_RECV_TOKENS_MANY_RANKS = 256
+# The SM combine inside one NVLink domain: rings of 256 rows published every 9 (DeepEP V1's own chunks
+# at 4 ranks). 4x H100, BF16, 24 SMs, one combine per rank (benchmarks/probes/combine_times.py): EP4
+# 687-716 us against 722-793 with 24 / 512, 845-932 with 6 / 256 and 1293-1356 with 2 / 64; EP2 431 us
+# against 437-439 with 16 / 256 and 699-735 with 4 / 128 (docs/design.md, docs/configuration.md).
+COMBINE_SEND_TOKENS = 9
+COMBINE_RECV_TOKENS = 256
 
 
 def default_combine_config(num_sms: int, num_ranks: int) -> Config:
     """Recommended combine tuning for any rank count (no closed table)."""
     base = _default_config(num_sms, num_ranks)
-    if not 2 < num_ranks <= NUM_MAX_NVL_PEERS:
+    if num_ranks > NUM_MAX_NVL_PEERS:
         return base
-    return Config(num_sms, COMBINE_SEND_TOKENS_MANY_RANKS, COMBINE_RECV_TOKENS_MANY_RANKS,
+    return Config(num_sms, COMBINE_SEND_TOKENS, COMBINE_RECV_TOKENS,
                   base.num_max_rdma_chunked_send_tokens, base.num_max_rdma_chunked_recv_tokens)
 
 

@@ -399,15 +399,15 @@ def test_yaml_tuning_is_what_dispatch_and_combine_use():
 
 
 def test_default_ring_tuning_by_rank_count():
-    """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 9 / 256 at 3-8 ranks
-    (measured at 4, docs/performance.md); dispatch and internode keep theirs."""
+    """Sub-ring sizes of the normal-mode defaults (send / recv tokens): the SM combine takes 9 / 256 at 2-8 ranks
+    (measured at 2 and 4, docs/performance.md); dispatch and internode keep theirs."""
     from ep_plugin import Buffer
     from ep_plugin.tuning import default_combine_config, default_dispatch_config
 
     def rings(config):
         return config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
 
-    for ranks, dispatch, combine in ((2, (4, 128), (4, 128)), (3, (6, 128), (9, 256)), (4, (6, 128), (9, 256)),
+    for ranks, dispatch, combine in ((2, (4, 128), (9, 256)), (3, (6, 128), (9, 256)), (4, (6, 128), (9, 256)),
                                      (8, (6, 128), (9, 256)), (16, (6, 128), (6, 128))):
         assert rings(default_dispatch_config(24, ranks)) == dispatch, ranks
         assert rings(default_combine_config(24, ranks)) == combine, ranks
