@@ -102,8 +102,6 @@ struct Header {
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 
-__host__ __device__ constexpr int64_t align16(int64_t value) { return (value + 15) / 16 * 16; }
-
 __host__ __device__ constexpr int slots_per_sub_ring(int recv_tokens_per_channel) {
   int slots = (recv_tokens_per_channel + kWarpsPerChannel - 1) / kWarpsPerChannel;
   return slots < 2 ? 2 : slots;

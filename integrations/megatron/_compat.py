@@ -49,11 +49,6 @@ def megatron_version() -> str:
     return str(package_info.__version__)
 
 
-def parse_version(text: str) -> Release:
-    """'0.19.2+f6a5b40' -> (0, 19, 2); see `parse_release`."""
-    return RELEASES.parse(text)
-
-
 def check_version(text: Optional[str] = None) -> Release:
     """The release of `text` (default: the imported megatron.core); raises `MegatronVersionError` outside
     `RELEASES` unless EP_PLUGIN_MEGATRON_ALLOW_UNTESTED=1."""
