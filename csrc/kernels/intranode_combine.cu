@@ -29,6 +29,11 @@ __device__ __forceinline__ int combine_ring_slots(const RingLayout& layout) {
   return slots < kMaxCombineRingSlots ? slots : kMaxCombineRingSlots;
 }
 
+// Rows a sender publishes at once, within its ring; the receiver returns slots by the same count.
+__device__ __forceinline__ int combine_chunk(const CombineArgs& a, int slots) {
+  return a.send_chunk < slots ? a.send_chunk : slots;
+}
+
 // The named barrier of a sender group (id 0 is __syncthreads'); the warp reconverges first (its leader
 // lane may come from a wait of its own).
 __device__ __forceinline__ void sync_group(int group, int threads) {
@@ -61,7 +66,7 @@ __device__ void combine_sender(const CombineArgs& a, const RingLayout& layout, H
   uint64_t* remote_tail = &header_of(a.peer_buffers, owner)->tails[a.rank][channel][0];
   const uint64_t* head = &me->heads[owner][channel][0];
   const int slots = combine_ring_slots(layout);
-  const int chunk = a.send_chunk < slots ? a.send_chunk : slots;
+  const int chunk = combine_chunk(a, slots);
   const int threads = group_warps * 32;
   if (leader && lane == 0) group_expired[group] = 0;
   sync_group(group, threads);
@@ -148,7 +153,7 @@ __device__ void coordinate_ring(const CombineArgs& a, const RingLayout& layout, 
   const uint64_t* tail = owns_ring ? &me->tails[lane][channel][0] : nullptr;
   uint64_t* remote_head = owns_ring ? &header_of(a.peer_buffers, lane)->heads[a.rank][channel][0] : nullptr;
   const int slots = combine_ring_slots(layout);
-  const uint32_t chunk = static_cast<uint32_t>(a.send_chunk < slots ? a.send_chunk : slots);
+  const uint32_t chunk = static_cast<uint32_t>(combine_chunk(a, slots));
   uint32_t head = 0, published = 0;
   while (true) {
     const bool finished = state.retired == kWarpsPerChannel - 1;
