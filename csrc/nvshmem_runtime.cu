@@ -12,6 +12,7 @@
 
 #include "common/binding.h"
 #include "common/exception.cuh"
+#include "common/host_wait.h"
 #include "common/text.h"
 
 namespace ep_plugin {
@@ -467,7 +468,8 @@ void InternodeRuntime::notify(internode::NotifyArgs args, cudaStream_t stream) {
 int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
   EP_HOST_ASSERT(tag > 0, "notify tags are positive");
   // The device gives up after timeout_s; the host allows a little more so the device's report wins.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout_s_ + 5.0);
   int spins = 0;
   while (memory_.status_host->notify_tag != tag) {
     check_device_error();
@@ -478,13 +480,14 @@ int InternodeRuntime::wait_notify(int tag, cudaStream_t stream) {
         throw Error(std::string("ep_plugin: internode dispatch failed on rank ") + std::to_string(place_.rank) +
                     ": " + cudaGetErrorName(state) + " (" + cudaGetErrorString(state) + ")");
       }
-      if (std::chrono::steady_clock::now() > deadline) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline) {
         Text out;
         out << "rank " << place_.rank << ": the notify step of internode dispatch did not finish within "
             << timeout_s_ << " s (a peer never reached the same dispatch call?)";
         throw TimeoutError(out.str());
       }
-      if (spins > (1 << 16)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      yield_if_waiting_long(start, now);
     }
   }
   const int bad_rank = memory_.status_host->bad_input_rank;

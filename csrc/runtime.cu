@@ -11,6 +11,7 @@
 #include "common/binding.h"
 #include "common/bulk_rows.cuh"
 #include "common/exception.cuh"
+#include "common/host_wait.h"
 #include "common/text.h"
 #include "kernels/buffer_layout.cuh"
 
@@ -371,7 +372,8 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
   EP_HOST_ASSERT(tag > 0, "notify tags are positive");
   EP_CHECK_ARG(num_local_experts >= 0 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts");
   // The device gives up after timeout_s; the host allows a little more so the device's report wins.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout_s_ + 5.0);
   int spins = 0;
   while (status_host_->notify_tag != tag) {
     check_device_error();
@@ -382,13 +384,14 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
         throw Error(std::string("ep_plugin: dispatch failed on rank ") + std::to_string(rank_) + ": " +
                     cudaGetErrorName(state) + " (" + cudaGetErrorString(state) + ")");
       }
-      if (std::chrono::steady_clock::now() > deadline) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline) {
         Text out;
         out << "rank " << rank_ << ": the notify step of dispatch did not finish within " << timeout_s_
             << " s (a peer never reached the same dispatch call?)";
         throw TimeoutError(out.str());
       }
-      if (spins > (1 << 16)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      yield_if_waiting_long(start, now);
     }
   }
   const int bad_rank = status_host_->bad_input_rank;
