@@ -228,7 +228,7 @@ def _step_memory_gib(step: Callable[[], None]) -> float:
 
 def _profile_steps(step, name: str, rank: int, out_dir: str, steps: int = 2, with_stack: bool = False) -> None:
     """Op tables by GPU time and by host time of `steps` calls of `step`; rank 0 also writes its Chrome trace
-    (with `with_stack`, Python functions too: benchmarks/trace_gaps.py then names the Python code behind a
+    (with `with_stack`, Python functions too: benchmarks/probes/trace_gaps.py then names the Python code behind a
     GPU-idle gap, at the price of slower host code while profiling)."""
     from torch.profiler import ProfilerActivity, profile
 

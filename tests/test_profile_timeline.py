@@ -17,12 +17,41 @@ def test_profile_timeline_reports_every_step_of_every_rank(tmp_path):
     assert [r["rank"] for r in report["steps"]] == [0, 1]
     for rank in report["steps"]:
         assert rank["backend"] == "reference"
-        assert [s["step"] for s in rank["steps"]] == ["ep.layout", "ep.dispatch", "ep.combine"]
+        assert [s["step"] for s in rank["steps"]] == ["ep.layout", "ep.dispatch", "ep.cached_dispatch", "ep.combine"]
         assert all(s["host_us"] > 0 for s in rank["steps"])
     for rank in (0, 1):
         assert "ep.dispatch" in (tmp_path / f"kernels_rank{rank}.txt").read_text()
         assert json.loads((tmp_path / f"timeline_rank{rank}.json").read_text())["traceEvents"]
     assert "ep.combine" in run.stdout and "top kernels" in run.stdout
+
+
+def test_step_summary_lists_each_steps_kernels_with_the_idle_gap_before_each(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import profile_timeline
+
+    def step(cat, ts, dur):
+        return {"ph": "X", "name": "ep.dispatch", "cat": cat, "ts": ts, "dur": dur}
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "name": name, "cat": "kernel", "ts": ts, "dur": dur}
+
+    events = []
+    # Two rounds: notify, an idle gap that differs per round, then the dispatch kernel; and a third
+    # round with another sequence of kernels, which the medians leave out.
+    for start, gap, notify, rows in ((1000, 40, 20, 500), (5000, 60, 22, 510), (9000, 0, 0, 300)):
+        events.append(step("user_annotation", start - 50, 900))
+        if notify:
+            events.append(kernel("void ep_plugin::notify_kernel<4>(Args)", start, notify))
+        rows_start = start + notify + gap
+        events.append(kernel("ep_plugin::direct_dispatch_kernel(Args)", rows_start, rows))
+        events.append(step("gpu_user_annotation", start, rows_start + rows - start))
+    events.append(kernel("other_kernel", 20000, 5))  # outside every step
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    (row,) = profile_timeline.step_summary(str(trace))
+    assert row["step"] == "ep.dispatch" and row["host_us"] == 900
+    assert row["work"] == [{"name": "notify_kernel", "gap_us": 0.0, "dur_us": 21.0},
+                           {"name": "direct_dispatch_kernel", "gap_us": 50.0, "dur_us": 505.0}]
 
 
 def test_profile_host_times_every_call_of_the_round_on_every_rank():

@@ -19,7 +19,8 @@ from ep_plugin import Buffer
 from ep_plugin.bench import random_routing
 from ep_plugin.launch import parallel_launch, rank_device
 
-STEPS = ("ep.layout", "ep.dispatch", "ep.combine")
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+STEPS = ("ep.layout", "ep.dispatch", "ep.cached_dispatch", "ep.combine")
 
 
 def _round(buffer: Buffer, x, topk_idx, weights, num_experts: int) -> None:
@@ -29,41 +30,83 @@ def _round(buffer: Buffer, x, topk_idx, weights, num_experts: int) -> None:
         recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
             topk_idx=topk_idx, topk_weights=weights)
+    with record_function("ep.cached_dispatch"):
+        buffer.dispatch(x, handle=handle)
     with record_function("ep.combine"):
         buffer.combine(recv_x, handle, topk_weights=recv_weights)
 
 
+def merge_intervals(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The unions of overlapping (start, end) intervals, in order."""
+    merged: List[List[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
 def merged_spans(intervals: List[Tuple[float, float]]) -> List[float]:
     """Lengths of the unions of overlapping (start, end) intervals."""
-    spans: List[List[float]] = []
-    for start, end in sorted(intervals):
-        if spans and start <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], end)
-        else:
-            spans.append([start, end])
-    return [end - start for start, end in spans]
+    return [end - start for start, end in merge_intervals(intervals)]
 
 
-def step_summary(trace_path: str) -> List[Dict[str, float]]:
-    """Per step, the median over rounds: host microseconds, and the GPU span of its work (first start to
-    last end).
+def step_summary(trace_path: str) -> List[Dict]:
+    """Per step, the median over rounds: host microseconds, the GPU span of its work (first start to last
+    end), and its GPU work in order: each kernel (or copy) with its duration and the GPU-idle gap before it.
 
     Read from the Chrome trace: the profiler's averages give a step's host range and its GPU range
     (one per stream it used) under one name, so they cannot tell them apart.
     """
     with open(trace_path) as handle:
-        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X" and e.get("name") in STEPS]
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("name") in STEPS]
+    gpu_work = sorted((e for e in events if e.get("cat") in GPU_WORK), key=lambda e: e["ts"])
     rows = []
     for step in STEPS:
-        host = [e["dur"] for e in events if e["name"] == step and e.get("cat") == "user_annotation"]
+        host = [e["dur"] for e in steps if e["name"] == step and e.get("cat") == "user_annotation"]
         if not host:
             continue
+        ranges = [(e["ts"], e["ts"] + e["dur"]) for e in steps
+                  if e["name"] == step and e.get("cat") == "gpu_user_annotation"]
         # NOTE: a step that used several streams has one GPU range per stream; their union is the step's span.
-        gpu = merged_spans([(e["ts"], e["ts"] + e["dur"]) for e in events
-                            if e["name"] == step and e.get("cat") == "gpu_user_annotation"])
+        spans = merged_spans(ranges)
         rows.append({"step": step, "host_us": statistics.median(host),
-                     "gpu_us": statistics.median(gpu) if gpu else 0.0})
+                     "gpu_us": statistics.median(spans) if spans else 0.0,
+                     "work": median_work(rounds_of_work(gpu_work, ranges))})
     return rows
+
+
+def rounds_of_work(gpu_work: List[Dict], ranges: List[Tuple[float, float]]) -> List[List[Tuple[str, float, float]]]:
+    """For each GPU range of a step (one per round and stream, merged where they overlap), its work in
+    start order as (name, idle gap before it, duration); the first item's gap is 0."""
+    rounds = []
+    for start, end in merge_intervals(ranges):
+        inside = [e for e in gpu_work if start <= e["ts"] <= end]
+        items, busy_until = [], None
+        for e in inside:
+            gap = 0.0 if busy_until is None else max(0.0, e["ts"] - busy_until)
+            items.append((short_name(e["name"]), gap, e["dur"]))
+            busy_until = e["ts"] + e["dur"] if busy_until is None else max(busy_until, e["ts"] + e["dur"])
+        rounds.append(items)
+    return rounds
+
+
+def median_work(rounds: List[List[Tuple[str, float, float]]]) -> List[Dict]:
+    """Item by item, the medians over the rounds whose work has the most common sequence of names."""
+    if not rounds:
+        return []
+    sequences = [tuple(name for name, _, _ in items) for items in rounds]
+    common = max(set(sequences), key=sequences.count)
+    same = [items for items, names in zip(rounds, sequences) if names == common]
+    return [{"name": name, "gap_us": statistics.median(items[i][1] for items in same),
+             "dur_us": statistics.median(items[i][2] for items in same)} for i, name in enumerate(common)]
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    return name.split("(")[0].split("<")[0].split("::")[-1] or name
 
 
 def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> Dict:
@@ -107,9 +150,13 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
 def format_steps(result: Dict) -> str:
     lines = [f"rank {result['rank']} ({result['backend']}): per round (median), host time of each step and the "
              "GPU span of its work (first start to last end, every stream)",
-             f"{'step':<14}{'host us':>12}{'GPU span us':>14}"]
+             f"{'step':<20}{'host us':>12}{'GPU span us':>14}"]
     for row in result["steps"]:
-        lines.append(f"{row['step']:<14}{row['host_us']:>12.1f}{row['gpu_us']:>14.1f}")
+        lines.append(f"{row['step']:<20}{row['host_us']:>12.1f}{row['gpu_us']:>14.1f}")
+    lines.append("GPU work of each step (median): [idle gap before it] name duration, in us")
+    for row in result["steps"]:
+        work = "  ".join(f"[{item['gap_us']:.1f}] {item['name']} {item['dur_us']:.1f}" for item in row["work"])
+        lines.append(f"{row['step']:<20}{work or '(none)'}")
     return "\n".join(lines)
 
 
