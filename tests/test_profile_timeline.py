@@ -4,14 +4,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT = BENCHMARKS / "probes" / "profile_timeline.py"
 
 
-def test_profile_timeline_reports_every_step_of_every_rank(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_profile_timeline_reports_every_step_of_every_rank(tmp_path, dtype):
     run = subprocess.run([sys.executable, str(SCRIPT), "--backend", "reference", "--ranks", "2", "--tokens", "64",
                           "--hidden", "256", "--topk", "2", "--experts", "8", "--warmup", "1", "--iters", "2",
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                          "--dtype", dtype, "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "steps.json").read_text())
     assert [r["rank"] for r in report["steps"]] == [0, 1]

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ep_plugin import Buffer
-from ep_plugin.bench import random_routing
+from ep_plugin.bench import per_token_fp8, random_routing
 from ep_plugin.launch import parallel_launch, rank_device
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -32,8 +32,10 @@ def _round(buffer: Buffer, x, topk_idx, weights, num_experts: int) -> None:
             topk_idx=topk_idx, topk_weights=weights)
     with record_function("ep.cached_dispatch"):
         buffer.dispatch(x, handle=handle)
+    # FP8 rows come back as (rows, scales); the combine takes bf16 expert outputs, cast outside the steps.
+    expert_out = recv_x[0].to(torch.bfloat16) if isinstance(recv_x, tuple) else recv_x
     with record_function("ep.combine"):
-        buffer.combine(recv_x, handle, topk_weights=recv_weights)
+        buffer.combine(expert_out, handle, topk_weights=recv_weights)
 
 
 def merge_intervals(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
@@ -118,6 +120,8 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     buffer = Buffer.from_config(group, config, explicitly_destroy=True)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16).to(device)
+    if args.dtype == "fp8":
+        x = per_token_fp8(x)
     topk_idx = random_routing(args.tokens, args.experts, args.topk, device, generator)
     weights = torch.rand(args.tokens, args.topk, generator=generator).to(device)
     for _ in range(args.warmup):
@@ -166,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", default="native", choices=("native", "reference", "auto"))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                        help="dispatch payload: bf16 rows, or FP8 rows with one float scale per 128 channels")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--num-sms", type=int, default=24)
