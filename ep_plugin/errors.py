@@ -266,7 +266,8 @@ def raises_structured_errors(cls):
     """
     cls.failure = None
     for operation in _BACKEND_OPERATIONS:
-        method = cls.__dict__.get(operation)
+        # NOTE: inherited methods too: a backend class gathers its modes' methods from mixins.
+        method = getattr(cls, operation, None)
         if method is not None:
             setattr(cls, operation, _translating(method, operation))
     return cls

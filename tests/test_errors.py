@@ -217,6 +217,34 @@ def test_decorated_backend_methods_and_hooks_raise_structured_errors():
         backend.combine()
 
 
+def test_the_native_backend_translates_every_kernel_running_method_its_modes_define():
+    from ep_plugin.backends.native import NativeBackend
+    from ep_plugin.errors import _BACKEND_OPERATIONS
+
+    for operation in _BACKEND_OPERATIONS:
+        method = getattr(NativeBackend, operation)
+        assert hasattr(method, "__wrapped__") and not hasattr(method.__wrapped__, "__wrapped__"), operation
+
+
+def test_methods_a_decorated_backend_inherits_raise_structured_errors():
+    report = rendered_timeouts("LowLatencyRuntime", ["low_latency_dispatch"], ["-"])[0]
+
+    class Mode:
+        def low_latency_dispatch(self):
+            self._ll.check_device_error()
+
+    @raises_structured_errors
+    class Backend(Mode):
+        def __init__(self):
+            self._ll = _StoppedRuntime(report)
+
+    backend = Backend()
+    with pytest.raises(EpTimeoutError, match="low_latency_dispatch"):
+        backend.low_latency_dispatch()
+    assert isinstance(backend.failure, EpTimeoutError)
+    assert Mode.low_latency_dispatch is not Backend.low_latency_dispatch  # the mixin itself stays as it is
+
+
 def test_errors_survive_pickling():
     error = EpTimeoutError(2, "dispatch", "detail", (0, 3), "counts", seconds=4.0)
     copy = pickle.loads(pickle.dumps(error))
