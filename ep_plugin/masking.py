@@ -148,12 +148,15 @@ class MaskedExchange:
                 continue
             if send_counts[peer] > 0:
                 rows = send[send_first[peer]:send_first[peer] + send_counts[peer]].contiguous()
-                sends.append((peer, _Watch(dist.isend(rows, self.global_ranks[peer], group=self.group, tag=tag)),
-                              rows))
+                watch = self._post(dist.isend, rows, peer, tag)
+                if watch is None:
+                    continue
+                sends.append((peer, watch, rows))
             if recv_counts[peer] > 0:
                 rows = torch.empty((recv_counts[peer], send.size(1)), dtype=send.dtype, device=send.device)
-                receives.append((peer, _Watch(dist.irecv(rows, self.global_ranks[peer], group=self.group, tag=tag)),
-                                 rows))
+                watch = self._post(dist.irecv, rows, peer, tag)
+                if watch is not None:
+                    receives.append((peer, watch, rows))
         deadline = time.monotonic() + self.timeout_s
         for peer, watch, rows in receives:
             if watch.succeeded_by(deadline):
@@ -166,6 +169,16 @@ class MaskedExchange:
                 mask.masked[peer] = True
                 self._abandoned_sends.append(rows)  # its tensor must outlive the transfer
         return recv
+
+    def _post(self, transfer, rows: torch.Tensor, peer: int, tag: int) -> Optional["_Watch"]:
+        """Post `transfer` (dist.isend or dist.irecv) of `rows` with `peer`, watched; None where posting
+        fails (a peer that exited has closed its connection: gloo raises at once), and the peer is masked."""
+        try:
+            return _Watch(transfer(rows, self.global_ranks[peer], group=self.group, tag=tag))
+        except RuntimeError:
+            self.mask.masked[peer] = True
+            return None
+
 
 class _Watch:
     """Waits for one send or receive in a thread of its own, from the moment it is posted.

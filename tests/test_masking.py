@@ -15,7 +15,7 @@ import torch
 import dense_oracle as oracle
 import ep_plugin
 from ep_plugin.launch import finish_rank, parallel_launch
-from ep_plugin.masking import RankMask
+from ep_plugin.masking import MaskedExchange, RankMask
 
 R, GONE = 3, 2
 T_MAX, H, K, E = 8, 32, 3, 6
@@ -110,6 +110,22 @@ def test_survivors_finish_without_the_masked_rank(how):
         # Shrink mode masks a silent peer after the timeout; later calls skip it at once.
         assert first < (1.0 if how == "masked_by_hand" else TIMEOUT_S + 4.0), result
         assert second < 1.0, result
+
+
+def test_a_peer_whose_connection_is_gone_when_posting_is_masked(monkeypatch):
+    """gloo raises at once when a transfer is posted to a peer that has exited (its connection closed)."""
+    def gone(rows, peer, group=None, tag=0):
+        raise RuntimeError("Read error: Connection reset by peer")
+
+    monkeypatch.setattr(torch.distributed, "isend", gone)
+    monkeypatch.setattr(torch.distributed, "irecv", gone)
+    exchange = MaskedExchange.__new__(MaskedExchange)
+    exchange.mask, exchange.group, exchange.timeout_s = RankMask(rank=0, num_ranks=2), None, 1.0
+    exchange.global_ranks, exchange._abandoned_sends = [0, 1], []
+    send = torch.arange(12, dtype=torch.uint8).view(3, 4)
+    recv = exchange.all_to_all(send, [1, 2], [1, 3])
+    assert exchange.mask.masked == [False, True]
+    assert torch.equal(recv[:1], send[:1]) and not recv[1:].any()  # its own row, and zeros from the masked peer
 
 
 def test_rank_mask_checks_its_arguments():
