@@ -7,7 +7,9 @@ culprit unless the case says otherwise. Every rank reports what it saw; the case
     hang         the case did not end within the guard, or a rank that should answer never did
     clear_error  every error raised was a structured one (EpCommError / EpTimeoutError, or a
                  ValueError-like error naming the argument), none a bare CUDA error, and the fault
-                 was reported where it had to be
+                 was reported where it had to be; an error is read through `structured_error`, as
+                 docs/faults.md tells users to for a trap that surfaces outside ep_plugin
+                 (`raised_type` in a rank's detail is the type it raised)
     survived     every rank other than the culprit kept a usable device (its CUDA context, or the
                  CPU) and, where it finished, with correct results
 
@@ -345,12 +347,15 @@ def case_rank(rank: int, world: int, group, name: str, mode: str, backend: str, 
         create = name not in ("subset_buffer", "buffer_too_small")
         ctx = Ctx(rank, world, group, mode, backend, timeout_s, shrink=name.startswith("masked_"), create=create)
         seen = case.run(ctx)
-    except Exception as error:  # noqa: BLE001 - the error is the observation
+    except Exception as raised:  # noqa: BLE001 - the error is the observation
         buffer = getattr(ctx, "buffer", None)
-        error = ep_plugin.errors.structured_error(error, ep_plugin.errors.runtimes_of(buffer._backend)
+        # NOTE: a trap can surface outside ep_plugin (the case's own synchronize), as torch's CUDA error; the
+        # harness translates it as docs/faults.md tells users to. `raised_type` keeps what was raised.
+        error = ep_plugin.errors.structured_error(raised, ep_plugin.errors.runtimes_of(buffer._backend)
                                                   if buffer is not None and buffer._backend is not None else ())
-        seen = {"outcome": "error", "error_type": type(error).__name__, "message": str(error)[:600],
-                "structured": isinstance(error, STRUCTURED), "peers": list(getattr(error, "peers", ()))}
+        seen = {"outcome": "error", "error_type": type(error).__name__, "raised_type": type(raised).__name__,
+                "message": str(error)[:600], "structured": isinstance(error, STRUCTURED),
+                "peers": list(getattr(error, "peers", ()))}
     seen.update(rank=rank, seconds=round(time.monotonic() - started, 2), device_ok=device_usable(rank_device(rank)))
     finish_rank(seen)  # NOTE: no teardown: a process group with an abandoned collective, or a stopped context
 

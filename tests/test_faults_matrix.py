@@ -25,6 +25,8 @@ def test_fault_matrix_cases_on_the_reference_backend(tmp_path):
         assert record["clear_error"] and record["survived"], record
     exited, nan = records
     assert "EpCommError" in exited["observed"] and "peer 1" in exited["observed"], exited
+    survivor = exited["detail"][0]
+    assert survivor["error_type"] == survivor["raised_type"] == "EpCommError", survivor  # raised as it is reported
     assert exited["seconds"] < 60, exited
     assert "WRONG" not in nan["observed"] and "error" not in nan["observed"].lower(), nan
     assert "nan_inf_x" in done.stdout and "0 hangs" in done.stdout, done.stdout
