@@ -64,8 +64,8 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
 
 
 # `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
-# combine (no staging area) at more ranks, where the copy engines are slower (EP4, BF16, 24 SMs: the copy
-# engines 981.1-1038.7 us on 4x H200, the SM combine 618.3 on 4x H100; docs/design.md).
+# combine (no staging area) at more ranks, where the copy engines are slower (docs/design.md, "Copy
+# engines at EP4").
 AUTO_STAGING_TOKENS = 4096
 AUTO_STAGING_MAX_RANKS = 2
 
