@@ -36,6 +36,8 @@ XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 # NOTE: torch's own test for an active torch-function mode (private; without it nothing is bypassed).
 _function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+# NOTE: torch.cuda.current_device() without its Python wrapper (private; CUDA builds only).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def buffer_device() -> torch.device:
@@ -332,26 +334,26 @@ class Buffer:
         return tensor[:size.numel()].view(size)
 
     # ---- stream and event plumbing -------------------------------------------------------------
-    def _run(self, fn: Callable[[], tuple], inputs: List, previous_event: Optional[EventOverlap],
-             async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[tuple, EventOverlap]:
-        """Run `fn` on the communication stream with DeepEP's event semantics.
+    def _run(self, fn: Callable[..., tuple], inputs: List, previous_event: Optional[EventOverlap],
+             async_finish: bool, allocate_on_comm_stream: bool, args: tuple = ()) -> Tuple[tuple, EventOverlap]:
+        """Run `fn(*args)` on the communication stream with DeepEP's event semantics.
 
         The communication stream first waits for `previous_event` (or the current stream). Without
         `async_finish` the current stream waits for the result; with it, the returned event marks
         completion and every tensor involved is kept alive until then.
         """
         if self._comm_stream is None:
-            return fn(), EventOverlap(None)
+            return fn(*args), EventOverlap(None)
         device_index = self._info.device.index
-        if torch.cuda.current_device() != device_index:
+        if _current_device() != device_index:
             # A caller whose current device is another GPU: set_stream below would switch its device.
             with torch.cuda.device(device_index):
-                return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
+                return self._run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream, args)
         if not async_finish and previous_event is None and not allocate_on_comm_stream:
             # The current stream would wait for the communication stream right away: running on it
             # orders the same and spares two event waits, two stream switches and a record_stream
             # per output (host time of an eager call).
-            return fn(), EventOverlap(None)
+            return fn(*args), EventOverlap(None)
         # NOTE: streams and events by the buffer's device index, and two reused events: torch's
         # no-argument stream helpers look the current device up each time (a few us per call).
         compute_stream = torch.cuda.current_stream(device_index)
@@ -362,7 +364,7 @@ class Buffer:
             self._comm_stream.wait_event(self._comm_waits_compute)
         torch.cuda.set_stream(self._comm_stream)
         try:
-            outputs = fn()
+            outputs = fn(*args)
         finally:
             torch.cuda.set_stream(compute_stream)
         capturing = V.is_capturing()
@@ -626,6 +628,13 @@ class Buffer:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency kernels need a Buffer created with low_latency_mode=True")
 
+    def _low_latency_backend(self) -> Backend:
+        """`_require_low_latency`, then `_live_backend`, with one test where both pass (every low-latency call)."""
+        if self.low_latency_mode and self._backend is not None:
+            return self._backend
+        self._require_low_latency()
+        return self._live_backend()
+
     def _check_low_latency_size(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if sizes in self._low_latency_sizes_checked:  # once per sizes: the buffer does not change
@@ -692,9 +701,8 @@ class Buffer:
             event: completion event (with `async_finish`).
             hook: a callable that completes the receive (with `return_recv_hook`), else None.
         """
-        self._require_low_latency()
-        backend = self._live_backend()
-        device = self._device()
+        backend = self._low_latency_backend()
+        device = self._info.device
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError("dispatch_wait_recv_cost_stats is not supported by ep_plugin; pass None")
         V.check_tensor("x", x, (torch.bfloat16,), 2, device)
@@ -729,10 +737,10 @@ class Buffer:
         route_idx = topk_idx  # the caller's tensor: the combine must get this one when topk_weights are given
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         outputs, event = self._run(
-            lambda: backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                 cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                                                 use_ue8m0, return_recv_hook, topk_weights),
-            [x, topk_idx, cumulative_local_expert_recv_stats, topk_weights], None, async_finish, False)
+            backend.low_latency_dispatch, [x, topk_idx, cumulative_local_expert_recv_stats, topk_weights], None,
+            async_finish, False, (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                  cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                                  return_recv_hook, topk_weights))
         recv_x, recv_count, inner, hook = outputs
         if topk_weights is not None:
             inner.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
@@ -761,9 +769,8 @@ class Buffer:
             event: completion event (with `async_finish`).
             hook: a callable completing the receive (with `return_recv_hook`), else None.
         """
-        self._require_low_latency()
-        backend = self._live_backend()
-        device = self._device()
+        backend = self._low_latency_backend()
+        device = self._info.device
         if use_logfmt:
             raise NotImplementedError("use_logfmt=True (DeepEP's LogFMT combine) is not supported by ep_plugin")
         if combine_wait_recv_cost_stats is not None:
@@ -773,15 +780,15 @@ class Buffer:
         V.check_tensor("x", x, (torch.bfloat16,), 3, device, handle.recv_shape)
         V.check_topk("topk_idx", topk_idx, handle.num_tokens, device)
         V.check_tensor("topk_weights", topk_weights, (torch.float32,), 2, device, topk_idx.shape)
-        V.check_dispatch_route(handle.dispatch_route, topk_idx, topk_weights)
+        if handle.dispatch_route is not None:
+            V.check_dispatch_route(handle.dispatch_route, topk_idx, topk_weights)
         if out is not None:
             V.check_tensor("out", out, (torch.bfloat16,), 2, device, (handle.num_tokens, x.shape[2]))
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous")
-        outputs, event = self._run(
-            lambda: backend.low_latency_combine(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
-                                                handle, zero_copy, return_recv_hook, out),
-            [x, topk_idx, topk_weights, out], None, async_finish, False)
+        x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        outputs, event = self._run(backend.low_latency_combine, [x, topk_idx, topk_weights, out], None, async_finish,
+                                   False, (x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out))
         combined_x, hook = outputs
         return combined_x, event, hook
 

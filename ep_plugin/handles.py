@@ -154,7 +154,9 @@ class LowLatencyHandle(_TupleFace):
     __slots__ = ()
 
     def __init__(self, inner: object) -> None:
-        super().__init__(inner, _LOW_LATENCY_POSITIONS)
+        # NOTE: the base's fields set here (no call to its __init__): this runs in every low_latency_dispatch.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "_items", [_UNSET] * _LOW_LATENCY_POSITIONS)
 
     def _compute(self, position: int) -> Any:
         inner = self.inner

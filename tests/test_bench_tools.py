@@ -1,15 +1,22 @@
-"""The Megatron layer benchmark's bookkeeping and benchmarks/probes/trace_gaps.py, on CPU (no GPU, no Megatron)."""
+"""The Megatron layer benchmark's bookkeeping, benchmarks/probes/trace_gaps.py and benchmarks/probes/host_parts.py,
+on CPU (no GPU, no Megatron)."""
 import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from ep_plugin.launch import parallel_launch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name.replace("/", "."), BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -55,3 +62,25 @@ def test_trace_gaps_reports_busy_time_and_names_the_host_op_behind_the_longest_g
     assert lines[0].startswith("span 0.600 ms, GPU busy 0.330 ms (55%), idle 0.270 ms in 2 gaps")
     assert lines[2].split() == ["250.0", "0.150", "slow_python"]
     assert lines[3].split() == ["20.0", "0.500", "outer_op"]
+
+
+def test_host_parts_parses_its_arguments():
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "host_parts.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "--op {layout,ll_pair}" in run.stdout
+
+
+def host_parts_worker(rank: int, num_ranks: int, group, op: str) -> str:
+    from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels
+    host_parts = _load("probes/host_parts")
+    with stand_in_kernels(StandInLowLatencyRuntime()), mock.patch.object(torch.cuda, "synchronize"):
+        return host_parts.probe_rank(rank, num_ranks, group, op, "ep_plugin", 4)
+
+
+@pytest.mark.parametrize("op", ["layout", "ll_pair"])
+def test_host_parts_pieces_run_on_stand_in_kernels(op):
+    """Every piece of the probe runs against the current code (stand-in kernels: the numbers mean nothing)."""
+    pytest.importorskip("ep_plugin._C_nvshmem", reason="ep_plugin._C_nvshmem is not built here")
+    lines = parallel_launch(2, host_parts_worker, op, backend="gloo", timeout_s=120)[0].splitlines()
+    assert all("p50" in line for line in lines) and len(lines) == (7 if op == "layout" else 19), lines

@@ -150,6 +150,96 @@ def case_receive_hooks(ctx: Ctx) -> None:
     assert receive["out"] == combined.data_ptr()
 
 
+def case_pending_hooks_launch_with_their_own_args(ctx: Ctx) -> None:
+    """A receive hook launches with the pointers of its own call after a call of the same sizes without a hook
+    (whose Args are shared between such calls) ran in the other round; that call launches with its own."""
+    x, topk_idx = ctx.inputs()
+    weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+    (recv_x, _), _, handle, _, dispatch_hook = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                               return_recv_hook=True)
+    _, dispatch_send, parity = ctx.launch()
+    other_x, other_idx = ctx.inputs(T_MAX)
+    (data, scales), count, other, _, _ = ctx.buffer.low_latency_dispatch(other_x, other_idx, T_MAX, NUM_EXPERTS)
+    operation, fields, other_parity = ctx.launch()
+    assert operation == "dispatch" and other_parity == 1 - parity
+    _expect_fields(fields, x=other_x.data_ptr(), topk_idx=other_idx.data_ptr(), num_tokens=T_MAX, use_fp8=True,
+                   recv_x=data.data_ptr(), recv_scales=scales.data_ptr(), recv_count=count.data_ptr(),
+                   recv_src_info=other.recv_src_info.data_ptr(), recv_layout=other[1].data_ptr(), phases=SEND_RECV)
+    dispatch_hook()
+    operation, receive, receive_parity = ctx.launch()
+    assert operation == "dispatch" and receive_parity == parity
+    assert receive == {**dispatch_send, "phases": _C_nvshmem.PHASE_RECV}
+    _expect_fields(receive, x=x.data_ptr(), recv_x=recv_x.data_ptr(), num_tokens=x.size(0))
+
+    expert_out = ctx.expert_outputs()
+    combined, _, combine_hook = ctx.buffer.low_latency_combine(expert_out, topk_idx, weights, handle,
+                                                               return_recv_hook=True)
+    _, combine_send, _ = ctx.launch()
+    other_out = ctx.expert_outputs()
+    other_combined, _, _ = ctx.buffer.low_latency_combine(other_out, other_idx,
+                                                          torch.rand(T_MAX, TOPK, generator=ctx.gen), other)
+    operation, fields, combine_parity = ctx.launch()
+    assert operation == "combine" and combine_parity == 1 - parity
+    _expect_fields(fields, x=other_out.data_ptr(), out=other_combined.data_ptr(), num_tokens=T_MAX,
+                   recv_src_info=other.recv_src_info.data_ptr(), recv_layout=other[1].data_ptr(), phases=SEND_RECV)
+    combine_hook()
+    operation, receive, receive_parity = ctx.launch()
+    assert operation == "combine" and receive_parity == parity
+    assert receive == {**combine_send, "phases": _C_nvshmem.PHASE_RECV}
+    _expect_fields(receive, x=expert_out.data_ptr(), out=combined.data_ptr(), num_tokens=x.size(0),
+                   recv_src_info=handle.recv_src_info.data_ptr(), recv_layout=handle[1].data_ptr())
+
+
+def case_args_follow_each_call(ctx: Ctx) -> None:
+    """Calls without hooks of different sizes and options, in turn: each launch has its own call's fields."""
+    x, topk_idx = ctx.inputs()
+    weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+    _, _, routed, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS, topk_weights=weights)
+    _expect_fields(ctx.launch()[1], carry_route=True, topk_weights=weights.data_ptr(), use_fp8=True, num_topk=TOPK)
+    _, _, plain, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+    _expect_fields(ctx.launch()[1], carry_route=False, topk_weights=0, use_fp8=True, num_topk=TOPK)
+    narrow = topk_idx[:, :2].contiguous()
+    _, _, fewer, _, _ = ctx.buffer.low_latency_dispatch(x, narrow, T_MAX, NUM_EXPERTS, use_fp8=False)
+    _expect_fields(ctx.launch()[1], carry_route=False, topk_weights=0, use_fp8=False, recv_scales=0, num_topk=2,
+                   topk_idx=narrow.data_ptr())
+    empty_x, empty_idx = ctx.inputs(0)
+    _, _, empty, _, _ = ctx.buffer.low_latency_dispatch(empty_x, empty_idx, T_MAX, NUM_EXPERTS)
+    _expect_fields(ctx.launch()[1], x=0, topk_idx=0, num_tokens=0)
+
+    for handle, idx, handle_weights, expert_sums in ((routed, topk_idx, weights, True),
+                                                     (plain, topk_idx, weights, False),
+                                                     (fewer, narrow, weights[:, :2].contiguous(), False)):
+        combined, _, _ = ctx.buffer.low_latency_combine(ctx.expert_outputs(), idx, handle_weights, handle)
+        _expect_fields(ctx.launch()[1], expert_sums=expert_sums, bf16_partials=expert_sums, num_topk=idx.size(1),
+                       topk_idx=idx.data_ptr(), topk_weights=handle_weights.data_ptr(), out=combined.data_ptr(),
+                       num_tokens=x.size(0), recv_src_info=handle.recv_src_info.data_ptr())
+    combined, _, _ = ctx.buffer.low_latency_combine(ctx.expert_outputs(), empty_idx, torch.rand(0, TOPK), empty)
+    assert combined.shape == (0, HIDDEN)
+    _expect_fields(ctx.launch()[1], topk_idx=0, topk_weights=0, out=0, num_tokens=0)
+
+
+def case_small_outputs_are_fresh_and_apart(ctx: Ctx) -> None:
+    """recv_count, recv_src_info and recv_layout (one allocation per dispatch): exact shapes, dtypes and
+    strides, each aligned to its element, no two overlapping, none shared with a later dispatch's."""
+    x, topk_idx = ctx.inputs()
+    ranges = []
+    for _ in range(2):
+        _, recv_count, handle, _, _ = ctx.buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+        outputs = [(recv_count, torch.int32, (ctx.num_local,)),
+                   (handle.recv_src_info, torch.int32, (ctx.num_local, ctx.num_slots)),
+                   (handle[1], torch.int64, (ctx.num_local, ctx.num_ranks))]
+        for tensor, dtype, shape in outputs:
+            assert tensor.dtype == dtype and tensor.shape == shape and tensor.is_contiguous(), (tensor.dtype, shape)
+            assert tensor.data_ptr() % tensor.element_size() == 0, f"{dtype} output misaligned"
+            ranges.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
+        for value, (tensor, _, _) in enumerate(outputs):
+            tensor.fill_(value + 1)
+        for value, (tensor, _, _) in enumerate(outputs):
+            assert bool((tensor == value + 1).all()), "outputs of one dispatch overlap"
+    ranges.sort()
+    assert all(end <= begin for (_, end), (begin, _) in zip(ranges, ranges[1:])), f"overlapping outputs: {ranges}"
+
+
 def case_bad_input_launches_nothing(ctx: Ctx) -> None:
     """Each bad argument gets its error, naming it, and no kernel is launched."""
     x, topk_idx = ctx.inputs()

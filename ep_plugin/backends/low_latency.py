@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # low-latency mode and only `backend: native` selects them.
 LOW_LATENCY_VERIFIED = True
 
+_SEND_RECV = 0 if _C_nvshmem is None else _C_nvshmem.PHASE_SEND | _C_nvshmem.PHASE_RECV
+
 
 def low_latency_unsupported_reason(info: GroupInfo, requested: str) -> str:
     if _C_nvshmem is None:
@@ -35,26 +37,115 @@ def low_latency_unsupported_reason(info: GroupInfo, requested: str) -> str:
     return ""
 
 
+class LowLatencyPlan:
+    """What every low-latency dispatch (and its combine) of the same sizes and options shares, checked and
+    built once per buffer: output shapes, the expert-sum choice and the Args templates of calls without
+    a receive hook (their launches happen inside the call, and the runtime copies the Args it is given,
+    so each such call rewrites the per-call fields of the same template)."""
+
+    def __init__(self, backend: "LowLatencyMode", num_max_dispatch_tokens_per_rank: int, hidden: int,
+                 num_experts: int, num_topk: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                 with_weights: bool) -> None:
+        backend._check_low_latency_shapes(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk)
+        R = backend.info.num_ranks
+        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_topk = \
+            num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk
+        self.use_fp8, self.round_scale, self.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+        num_local, num_slots = num_experts // R, R * num_max_dispatch_tokens_per_rank
+        self.recv_shape = (num_local, num_slots, hidden)
+        self.recv_dtype = fp8.FP8_DTYPE if use_fp8 else torch.bfloat16
+        # [E_local, slots, S], column-major in the last two dimensions (as [E_local, S, slots] transposed).
+        width = fp8.num_ue8m0_words(hidden) if use_ue8m0 else fp8.num_blocks(hidden)
+        self.scales_shape = (num_local, num_slots, width)
+        self.scales_strides = (width * num_slots, 1, num_slots)
+        self.scales_dtype = torch.int32 if use_ue8m0 else torch.float32
+        # The small outputs in one int64 allocation of `small_words` words (fewer allocations per call):
+        # recv_layout [E_local, R] int64 at word 0 (8-byte aligned), then in int32 units recv_src_info
+        # [E_local, slots] from 2 * E_local * R and recv_count [E_local] after it.
+        self.layout_shape, self.layout_strides = (num_local, R), (R, 1)
+        self.src_info_shape, self.src_info_strides = (num_local, num_slots), (num_slots, 1)
+        self.src_info_offset = 2 * num_local * R
+        self.count_shape, self.count_offset = (num_local,), self.src_info_offset + num_local * num_slots
+        self.small_words = num_local * R + (num_local * num_slots + num_local + 1) // 2
+        # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
+        # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
+        self.expert_sums = with_weights and backend._low_latency().supports_expert_sums(
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden, num_experts=num_experts)
+        # Fixed here, so that the dispatch announces it (ranks must agree) and its combine follows it.
+        self.bf16_partials = self.expert_sums and backend.settings.low_latency.expert_sums_partials == "bf16"
+        self.rank_mask = backend._rank_mask_address()
+        self.dispatch_args = self.new_dispatch_args()
+        self.combine_args = self.new_combine_args()
+
+    def small_outputs(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh (recv_layout, recv_src_info, recv_count) of one dispatch, views of one allocation."""
+        words = torch.empty(self.small_words, dtype=torch.int64, device=device)
+        recv_layout = torch.as_strided(words, self.layout_shape, self.layout_strides)
+        words = words.view(torch.int32)
+        return (recv_layout, torch.as_strided(words, self.src_info_shape, self.src_info_strides, self.src_info_offset),
+                torch.as_strided(words, self.count_shape, (1,), self.count_offset))
+
+    def new_dispatch_args(self):
+        """DispatchArgs with this plan's fields set; the per-call ones are the caller's to write."""
+        args = _C_nvshmem.DispatchArgs()
+        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts, args.num_topk = \
+            self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_topk
+        args.use_fp8, args.round_scale, args.use_ue8m0 = self.use_fp8, self.round_scale, self.use_ue8m0
+        args.carry_route, args.bf16_partials, args.topk_weights = self.expert_sums, self.bf16_partials, 0
+        args.rank_mask = self.rank_mask
+        return args
+
+    def new_combine_args(self):
+        """CombineArgs with this plan's fields set; the per-call ones are the caller's to write."""
+        args = _C_nvshmem.CombineArgs()
+        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts, args.num_topk = \
+            self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_topk
+        args.expert_sums, args.bf16_partials, args.rank_mask = self.expert_sums, self.bf16_partials, self.rank_mask
+        return args
+
+
 @dataclass(eq=False)
 class LowLatencyHandle:
     """Layout of one low-latency dispatch (opaque to users), for `low_latency_combine`."""
     owner: "NativeBackend"
     num_tokens: int                      # T of the dispatch
-    recv_shape: Tuple[int, int, int]     # (E_local, R * T_max, H)
     parity: int                          # the round (0 or 1) of symmetric buffer it used
-    num_max_dispatch_tokens_per_rank: int
-    num_experts: int
-    num_topk: int
     recv_src_info: torch.Tensor          # [E_local, R * T_max] int32: src_rank << 21 | (t * 32 + k)
     recv_layout: torch.Tensor            # [E_local, R] int64: first slot << 32 | count, per source rank
-    expert_sums: bool = False            # the payloads carried routes: the combine sums on the expert side
-    bf16_partials: bool = False          # ... and sends its partials to peers as bf16 (else fp32)
+    plan: LowLatencyPlan
     combine_buffer: Optional[torch.Tensor] = field(default=None)
     dispatch_route: Optional[DispatchRoute] = field(default=None)  # set by the Buffer
 
     @property
+    def recv_shape(self) -> Tuple[int, int, int]:
+        """(E_local, R * T_max, H)."""
+        return self.plan.recv_shape
+
+    @property
     def hidden(self) -> int:
-        return self.recv_shape[2]
+        return self.plan.hidden
+
+    @property
+    def num_max_dispatch_tokens_per_rank(self) -> int:
+        return self.plan.num_max_dispatch_tokens_per_rank
+
+    @property
+    def num_experts(self) -> int:
+        return self.plan.num_experts
+
+    @property
+    def num_topk(self) -> int:
+        return self.plan.num_topk
+
+    @property
+    def expert_sums(self) -> bool:
+        """The payloads carried routes: the combine sums on the expert side."""
+        return self.plan.expert_sums
+
+    @property
+    def bf16_partials(self) -> bool:
+        """... and sends its partials to peers as bf16 (else fp32)."""
+        return self.plan.bf16_partials
 
 
 class _SymmetricArray:
@@ -68,8 +159,19 @@ class _SymmetricArray:
 class LowLatencyMode(NativeBase):
     """NativeBackend's low-latency mode."""
 
-    # Set by a Buffer with enable_shrink (ep_plugin/masking.py): the kernels skip the ranks it masks.
-    device_rank_mask: Optional[masking.DeviceRankMask] = None
+    _device_rank_mask: Optional[masking.DeviceRankMask] = None
+    # LowLatencyPlan per (T_max, hidden, num_experts, top-k, use_fp8, round_scale, use_ue8m0, with weights).
+    _ll_plans: Dict[tuple, LowLatencyPlan]
+
+    @property
+    def device_rank_mask(self) -> Optional[masking.DeviceRankMask]:
+        """Set by a Buffer with enable_shrink (ep_plugin/masking.py): the kernels skip the ranks it masks."""
+        return self._device_rank_mask
+
+    @device_rank_mask.setter
+    def device_rank_mask(self, mask: Optional[masking.DeviceRankMask]) -> None:
+        self._device_rank_mask = mask
+        self._ll_plans.clear()  # their Args hold the mask's address
 
     def _rank_mask_address(self) -> int:
         """Device address of the shrink-mode mask for the kernels' Args (0: no mask)."""
@@ -123,116 +225,90 @@ class LowLatencyMode(NativeBase):
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts}: "
                              f"need {needed} (Buffer.get_low_latency_rdma_size_hint)")
 
-    def _launch_round(self, launch: Callable[[int], None], return_recv_hook: bool) -> None:
-        """Launch a dispatch in round `self._ll_parity`, then move to the other round: rounds alternate, so
-        two dispatch/combine rounds can be in flight.
-
-        Every rank makes the same sequence of calls, so every rank picks the same round. A dispatch the
-        runtime rejects (a bad expert id an earlier dispatch recorded, raised as ValueError) sent nothing
-        and keeps the round. Under CUDA-graph capture the round is fixed into the graph (each replay
-        repeats the captured sequence).
-        """
-        self._launch_phases(launch, return_recv_hook)
-        self._ll_parity ^= 1
+    def _ll_plan(self, key: tuple) -> LowLatencyPlan:
+        plan = self._ll_plans.get(key)
+        if plan is None:  # checks the sizes: raises before anything runs
+            plan = self._ll_plans[key] = LowLatencyPlan(self, *key)
+        return plan
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook, topk_weights):
         runtime = self._low_latency()
         T, K = topk_idx.shape
-        H = x.shape[1]
-        R = self.info.num_ranks
-        self._check_low_latency_shapes(num_max_dispatch_tokens_per_rank, H, num_experts, K)
-        num_local = num_experts // R
-        num_slots = R * num_max_dispatch_tokens_per_rank
+        plan = self._ll_plan((num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, K, use_fp8, round_scale,
+                              use_ue8m0, topk_weights is not None))
+        device = self.info.device
+        # NOTE: sizes as separate ints: torch parses them faster than one tuple.
+        data = torch.empty(*plan.recv_shape, dtype=plan.recv_dtype, device=device)
         if use_fp8:
-            data = self._empty(num_local, num_slots, H, dtype=fp8.FP8_DTYPE)
-            # [E_local, slots, S], column-major in the last two dimensions (as [E_local, S, slots] transposed).
-            width = fp8.num_ue8m0_words(H) if use_ue8m0 else fp8.num_blocks(H)
-            scales = torch.empty_strided((num_local, num_slots, width), (width * num_slots, 1, num_slots),
-                                         dtype=torch.int32 if use_ue8m0 else torch.float32, device=self.info.device)
+            scales = torch.empty_strided(plan.scales_shape, plan.scales_strides, dtype=plan.scales_dtype,
+                                         device=device)
             recv_x = (data, scales)
         else:
-            data = self._empty(num_local, num_slots, H, dtype=torch.bfloat16)
             scales = None
             recv_x = data
-        recv_count = self._empty(num_local, dtype=torch.int32)
-        recv_src_info = self._empty(num_local, num_slots, dtype=torch.int32)
-        recv_layout = self._empty(num_local, R, dtype=torch.int64)
-        parity = self._ll_parity
-        # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
-        # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
-        expert_sums = topk_weights is not None and runtime.supports_expert_sums(
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=H, num_experts=num_experts)
-        # Fixed here, so that the dispatch announces it (ranks must agree) and its combine follows it.
-        bf16_partials = expert_sums and self.settings.low_latency.expert_sums_partials == "bf16"
+        recv_layout, recv_src_info, recv_count = plan.small_outputs(device)
 
-        args = _C_nvshmem.DispatchArgs()
-        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts = \
-            num_max_dispatch_tokens_per_rank, H, num_experts
-        args.x, args.topk_idx, args.num_tokens, args.num_topk = address_of(x), address_of(topk_idx), T, K
-        args.use_fp8, args.round_scale, args.use_ue8m0 = use_fp8, round_scale, use_ue8m0
-        args.recv_x, args.recv_scales, args.recv_count = address_of(data), address_of(scales), address_of(recv_count)
-        args.recv_src_info, args.recv_layout = address_of(recv_src_info), address_of(recv_layout)
+        # A hook launches later, with the Args of its own call: it gets Args of its own.
+        args = plan.new_dispatch_args() if return_recv_hook else plan.dispatch_args
+        args.x, args.topk_idx, args.num_tokens = (x.data_ptr(), topk_idx.data_ptr(), T) if T else (0, 0, 0)
+        args.recv_x, args.recv_scales, args.recv_count = (data.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                                                          recv_count.data_ptr())
+        args.recv_src_info, args.recv_layout = recv_src_info.data_ptr(), recv_layout.data_ptr()
         args.cumulative_local_expert_recv_stats = address_of(cumulative_local_expert_recv_stats)
-        args.carry_route, args.bf16_partials = expert_sums, bf16_partials
-        args.topk_weights = address_of(topk_weights) if expert_sums else 0
-        args.rank_mask = self._rank_mask_address()
-
-        def launch(phases: int) -> None:
-            args.phases = phases
-            runtime.dispatch(args, parity, self._stream())
-
-        self._launch_round(launch, return_recv_hook)
-        handle = LowLatencyHandle(owner=self, num_tokens=T, recv_shape=(num_local, num_slots, H), parity=parity,
-                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                                  num_experts=num_experts, num_topk=K, recv_src_info=recv_src_info,
-                                  recv_layout=recv_layout, expert_sums=expert_sums,
-                                  bf16_partials=bf16_partials)
-        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
+        if plan.expert_sums:
+            args.topk_weights = address_of(topk_weights)
+        # Rounds alternate, so two dispatch/combine rounds can be in flight. Every rank makes the same
+        # sequence of calls, so every rank picks the same round. A dispatch the runtime rejects (a bad
+        # expert id an earlier dispatch recorded, raised as ValueError) sent nothing and keeps the round.
+        # Under CUDA-graph capture the round is fixed into the graph (each replay repeats the captured
+        # sequence).
+        parity = self._ll_parity
+        hook = self._launch_phases(runtime.dispatch, args, parity, return_recv_hook)
+        self._ll_parity = parity ^ 1
+        handle = LowLatencyHandle(self, T, parity, recv_src_info, recv_layout, plan)
         return recv_x, recv_count, handle, hook
 
-    def _launch_phases(self, launch: Callable[[int], None], return_recv_hook: bool) -> None:
-        """Send only (the hook receives), send + receive in one launch, or as two when ranks share the GPU."""
-        send, recv = _C_nvshmem.PHASE_SEND, _C_nvshmem.PHASE_RECV
+    def _launch_phases(self, launch: Callable[[object, int, int], None], args, parity: int,
+                       return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        """Send only (and return the hook that receives), send + receive in one launch, or as two when ranks
+        share the GPU. `launch`: the runtime's dispatch or combine."""
         if return_recv_hook:
-            launch(send)
-        elif self._ll_split:
-            launch(send)
-            launch(recv)
+            args.phases = _C_nvshmem.PHASE_SEND
+            launch(args, parity, self._stream())
+            return _receive_hook(launch, args, parity, self._stream)
+        if self._ll_split:
+            args.phases = _C_nvshmem.PHASE_SEND
+            launch(args, parity, self._stream())
+            args.phases = _C_nvshmem.PHASE_RECV
         else:
-            launch(send | recv)
+            args.phases = _SEND_RECV
+        launch(args, parity, self._stream())
+        return None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out):
         runtime = self._low_latency()
         handle = self._low_latency_handle(handle)
-        if topk_idx.shape != (handle.num_tokens, handle.num_topk):
+        plan = handle.plan
+        T = handle.num_tokens
+        if topk_idx.shape != (T, plan.num_topk):
             raise ValueError(f"low_latency_combine: topk_idx has shape {tuple(topk_idx.shape)} but the dispatch's had "
-                             f"{(handle.num_tokens, handle.num_topk)}")
+                             f"{(T, plan.num_topk)}")
         # zero_copy: the caller wrote the expert outputs into the staging area; x's data is not read. NOTE:
         # the staging tensor only then (the caller filled it, so it exists): wrapping the symmetric buffer
         # asks CUDA for the pointer's device, which a graph capture need not allow.
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        T, K = topk_idx.shape
-        combined = out if out is not None else self._empty(T, handle.hidden, dtype=torch.bfloat16)
-
-        args = _C_nvshmem.CombineArgs()
-        args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts = \
-            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        args.x, args.recv_src_info, args.recv_layout = (address_of(x), address_of(handle.recv_src_info),
-                                                        address_of(handle.recv_layout))
-        args.topk_idx, args.topk_weights, args.num_tokens, args.num_topk = (address_of(topk_idx),
-                                                                            address_of(topk_weights), T, K)
-        args.out, args.expert_sums, args.bf16_partials = address_of(combined), handle.expert_sums, handle.bf16_partials
-        args.rank_mask = self._rank_mask_address()
-
-        def launch(phases: int) -> None:
-            args.phases = phases
-            runtime.combine(args, handle.parity, self._stream())
-
-        self._launch_phases(launch, return_recv_hook)
-        hook = _receive_hook(lambda: launch(_C_nvshmem.PHASE_RECV)) if return_recv_hook else None
+        combined = out if out is not None else torch.empty(T, plan.hidden, dtype=torch.bfloat16,
+                                                           device=self.info.device)
+        # A hook launches later, with the Args of its own call: it gets Args of its own.
+        args = plan.new_combine_args() if return_recv_hook else plan.combine_args
+        args.x, args.recv_src_info, args.recv_layout = (x.data_ptr(), handle.recv_src_info.data_ptr(),
+                                                        handle.recv_layout.data_ptr())
+        args.topk_idx, args.topk_weights, args.out, args.num_tokens = \
+            (topk_idx.data_ptr(), topk_weights.data_ptr(), combined.data_ptr(), T) if T else (0, 0, 0, 0)
+        hook = self._launch_phases(runtime.combine, args, handle.parity, return_recv_hook)
         return combined, hook
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -270,13 +346,16 @@ def _ranks_on_this_gpu(info: GroupInfo) -> int:
     return keys.count(key)
 
 
-def _receive_hook(receive: Callable[[], None]) -> Callable[[], None]:
-    """A receive hook: the first call launches the receive on the current stream, later calls do nothing."""
+def _receive_hook(launch: Callable[[object, int, int], None], args, parity: int,
+                  stream: Callable[[], int]) -> Callable[[], None]:
+    """A receive hook: the first call launches the receive (`args`, which no other call shares) on the
+    current stream, later calls do nothing."""
     state = {"done": False}
 
     def hook() -> None:
         if not state["done"]:
             state["done"] = True
-            receive()
+            args.phases = _C_nvshmem.PHASE_RECV
+            launch(args, parity, stream())
 
     return hook

@@ -69,6 +69,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         self._ll = None
         self._ll_parity = 0
+        self._ll_plans = {}
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0
