@@ -59,14 +59,7 @@ class LowLatencyPlan:
         self.scales_shape = (num_local, num_slots, width)
         self.scales_strides = (width * num_slots, 1, num_slots)
         self.scales_dtype = torch.int32 if use_ue8m0 else torch.float32
-        # The small outputs in one int64 allocation of `small_words` words (fewer allocations per call):
-        # recv_layout [E_local, R] int64 at word 0 (8-byte aligned), then in int32 units recv_src_info
-        # [E_local, slots] from 2 * E_local * R and recv_count [E_local] after it.
-        self.layout_shape, self.layout_strides = (num_local, R), (R, 1)
-        self.src_info_shape, self.src_info_strides = (num_local, num_slots), (num_slots, 1)
-        self.src_info_offset = 2 * num_local * R
-        self.count_shape, self.count_offset = (num_local,), self.src_info_offset + num_local * num_slots
-        self.small_words = num_local * R + (num_local * num_slots + num_local + 1) // 2
+        self.layout_shape, self.src_info_shape = (num_local, R), (num_local, num_slots)
         # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
         # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
         self.expert_sums = with_weights and backend._low_latency().supports_expert_sums(
@@ -76,14 +69,6 @@ class LowLatencyPlan:
         self.rank_mask = backend._rank_mask_address()
         self.dispatch_args = self.new_dispatch_args()
         self.combine_args = self.new_combine_args()
-
-    def small_outputs(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fresh (recv_layout, recv_src_info, recv_count) of one dispatch, views of one allocation."""
-        words = torch.empty(self.small_words, dtype=torch.int64, device=device)
-        recv_layout = torch.as_strided(words, self.layout_shape, self.layout_strides)
-        words = words.view(torch.int32)
-        return (recv_layout, torch.as_strided(words, self.src_info_shape, self.src_info_strides, self.src_info_offset),
-                torch.as_strided(words, self.count_shape, (1,), self.count_offset))
 
     def new_dispatch_args(self):
         """DispatchArgs with this plan's fields set; the per-call ones are the caller's to write."""
@@ -248,7 +233,9 @@ class LowLatencyMode(NativeBase):
         else:
             scales = None
             recv_x = data
-        recv_layout, recv_src_info, recv_count = plan.small_outputs(device)
+        recv_count = torch.empty(plan.recv_shape[0], dtype=torch.int32, device=device)
+        recv_src_info = torch.empty(*plan.src_info_shape, dtype=torch.int32, device=device)
+        recv_layout = torch.empty(*plan.layout_shape, dtype=torch.int64, device=device)
 
         # A hook launches later, with the Args of its own call: it gets Args of its own.
         args = plan.new_dispatch_args() if return_recv_hook else plan.dispatch_args
