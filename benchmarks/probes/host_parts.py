@@ -8,7 +8,7 @@ profile_host.py --eager.
 a launch.
 --op ll_pair: an FP8 `low_latency_dispatch` (hidden 7168) + `low_latency_combine` pair: the pair, each call
 (its partner run untimed), the backend's calls (without Buffer's checks and `_run`), Buffer's checks, `_run`,
-each allocation (the small outputs as three torch.empty and carved from one), the Args (a fresh struct with
+each allocation, the Args (a fresh struct with
 every field, or the plan's with the per-call fields), and the two binding calls alone (dispatch + combine
 with prepared Args: the floor of the pair's host time).
 
@@ -159,7 +159,9 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
     # Outputs and Args of the binding calls, made once.
     data = torch.empty(*plan.recv_shape, dtype=plan.recv_dtype, device=device)
     scales = torch.empty_strided(plan.scales_shape, plan.scales_strides, dtype=plan.scales_dtype, device=device)
-    recv_layout, recv_src_info, recv_count = plan.small_outputs(device)
+    recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
+    recv_src_info = torch.empty(num_local, num_slots, dtype=torch.int32, device=device)
+    recv_layout = torch.empty(num_local, R, dtype=torch.int64, device=device)
     out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)
     send_recv = _C_nvshmem.PHASE_SEND | _C_nvshmem.PHASE_RECV
 
@@ -201,7 +203,6 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
             torch.empty(num_local, dtype=torch.int32, device=device),
             torch.empty(num_local, num_slots, dtype=torch.int32, device=device),
             torch.empty(num_local, R, dtype=torch.int64, device=device))),
-        "small outputs, carved (plan.small_outputs)": Piece(lambda: plan.small_outputs(device)),
         f"torch.empty bf16 combine out [{TOKENS},{HIDDEN}]": Piece(
             lambda: torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)),
         "DispatchArgs: a fresh one, every field": Piece(lambda: fill_dispatch_args(plan.new_dispatch_args())),
