@@ -49,17 +49,23 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __syncthreads();
   if (failed) return;
 
-  // 1. Check expert ids; count tokens per destination rank.
+  // 1. Count tokens per destination rank; check expert ids. The ids are read as one flat array, each
+  // warp a contiguous stretch, several loads in flight per thread (one block reads them all).
   int counts[kMaxNvlPeers] = {};
   for (int t = tid; t < args.num_tokens; t += kNotifyThreads) {
     const bool* flags = args.is_token_in_rank + static_cast<int64_t>(t) * R;
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r)
       if (r < R && flags[r]) ++counts[r];
-    const int64_t* ids = args.topk_idx + static_cast<int64_t>(t) * args.num_topk;
-    for (int k = 0; k < args.num_topk; ++k)
-      if (ids[k] < -1 || ids[k] >= args.num_experts) atomicMin(&first_bad_entry, t * args.num_topk + k);
   }
+  const int num_ids = args.num_tokens * args.num_topk;
+  int first_bad = INT_MAX;
+#pragma unroll 8
+  for (int i = tid; i < num_ids; i += kNotifyThreads) {
+    const int64_t id = __ldg(args.topk_idx + i);
+    if ((id < -1 || id >= args.num_experts) && i < first_bad) first_bad = i;
+  }
+  if (first_bad != INT_MAX) atomicMin(&first_bad_entry, first_bad);
 #pragma unroll
   for (int r = 0; r < kMaxNvlPeers; ++r) {
     int value = counts[r];
@@ -167,9 +173,30 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       const int align = args.expert_alignment;
       args.status->num_recv_tokens_per_expert[j] = (total + align - 1) / align * align;
     }
+    __threadfence_system();  // each writer's counts before the tag below
+  }
+  __syncthreads();
+
+  // 6. Publish to the host before the send_pos scan: the host allocates the outputs and launches the
+  // dispatch meanwhile (the dispatch runs after this kernel on the stream, so it sees send_pos).
+  if (tid == 0 && args.host_tag > 0) {
+    args.status->num_recv_tokens = *args.num_recv_tokens;
+    for (int s = 0; s < R; ++s) args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
+    args.status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
+    if (bad_rank >= 0) {
+      args.status->bad_input_code = blocks[bad_rank].bad_input_code;
+      for (int i = 0; i < 3; ++i) args.status->bad_input_detail[i] = blocks[bad_rank].bad_input_detail[i];
+    } else if (other_layout_rank >= 0) {
+      args.status->bad_input_code = kErrLayoutMismatch;
+      args.status->bad_input_detail[0] = args.row_layout;
+      args.status->bad_input_detail[1] = blocks[other_layout_rank].row_layout;
+    }
+    __threadfence_system();
+    args.status->notify_tag = args.host_tag;
+    __threadfence_system();
   }
 
-  // 6. send_pos: exclusive scan over tokens, per destination rank, one tile of the block at a time.
+  // 7. send_pos: exclusive scan over tokens, per destination rank, one tile of the block at a time.
   for (int tile = 0; tile < args.num_tokens; tile += kNotifyThreads) {
     const int t = tile + tid;
     const bool valid = t < args.num_tokens;
@@ -204,26 +231,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     __syncthreads();
   }
 
-  // 7. Publish to the host and advance the epoch.
-  if (tid == 0) {
-    if (args.host_tag > 0) {
-      args.status->num_recv_tokens = *args.num_recv_tokens;
-      for (int s = 0; s < R; ++s) args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
-      args.status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
-      if (bad_rank >= 0) {
-        args.status->bad_input_code = blocks[bad_rank].bad_input_code;
-        for (int i = 0; i < 3; ++i) args.status->bad_input_detail[i] = blocks[bad_rank].bad_input_detail[i];
-      } else if (other_layout_rank >= 0) {
-        args.status->bad_input_code = kErrLayoutMismatch;
-        args.status->bad_input_detail[0] = args.row_layout;
-        args.status->bad_input_detail[1] = blocks[other_layout_rank].row_layout;
-      }
-      __threadfence_system();
-      args.status->notify_tag = args.host_tag;
-      __threadfence_system();
-    }
-    me->notify_epoch = epoch;
-  }
+  // 8. Advance the epoch.
+  if (tid == 0) me->notify_epoch = epoch;
 }
 
 }  // namespace
