@@ -144,13 +144,14 @@ void bind_staged_reduce_args(py::module_& m) {
   bind_address(cls, "combined_topk_weights", &intranode::StagedReduceArgs::combined_topk_weights);
 }
 
-py::tuple runtime_wait_notify(IntranodeRuntime& runtime, int tag, int num_local_experts, uintptr_t stream) {
-  NotifyResult result;
-  {
-    py::gil_scoped_release release;  // other Python threads may run while the host spins
-    result = runtime.wait_notify(tag, num_local_experts, as_stream(stream));
-  }
-  return py::make_tuple(result.num_recv_tokens, result.num_recv_tokens_per_rank, result.num_recv_tokens_per_expert);
+int runtime_wait_notify(IntranodeRuntime& runtime, int tag, uintptr_t stream) {
+  py::gil_scoped_release release;  // other Python threads may run while the host spins
+  return runtime.wait_notify(tag, as_stream(stream));
+}
+
+py::tuple runtime_notify_counts(const IntranodeRuntime& runtime, int num_local_experts) {
+  const NotifyCounts counts = runtime.notify_counts(num_local_experts);
+  return py::make_tuple(counts.num_recv_tokens_per_rank, counts.num_recv_tokens_per_expert);
 }
 
 // A region tensor handed to torch: its shape, and the region that takes its block back when torch drops it.
@@ -319,7 +320,10 @@ PYBIND11_MODULE(_C, m) {
       .def("notify", [](IntranodeRuntime& self, const intranode::NotifyArgs& args,
                         uintptr_t stream) { self.notify(args, as_stream(stream)); },
            py::arg("args"), py::arg("stream"))
-      .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("num_local_experts"), py::arg("stream"))
+      .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("stream"),
+           "The received row count of the notify published with `tag` (the host waits for it).")
+      .def("notify_counts", &runtime_notify_counts, py::arg("num_local_experts"),
+           "(rows from each rank, aligned rows per local expert) of the last waited notify.")
       .def("dispatch", [](IntranodeRuntime& self, const intranode::DispatchArgs& args,
                           uintptr_t stream) { self.dispatch(args, as_stream(stream)); },
            py::arg("args"), py::arg("stream"), "The ring dispatch.")

@@ -368,9 +368,8 @@ void IntranodeRuntime::check_device_error() const {
     throw Error("ep_plugin: a kernel ended early on rank " + std::to_string(rank_) + ": " + describe_device_error());
 }
 
-NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaStream_t stream) {
+int IntranodeRuntime::wait_notify(int tag, cudaStream_t stream) {
   EP_HOST_ASSERT(tag > 0, "notify tags are positive");
-  EP_CHECK_ARG(num_local_experts >= 0 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts");
   // The device gives up after timeout_s; the host allows a little more so the device's report wins.
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(timeout_s_ + 5.0);
@@ -410,8 +409,12 @@ NotifyResult IntranodeRuntime::wait_notify(int tag, int num_local_experts, cudaS
         << " is not an expert id (expected -1 or a value in [0, num_experts)); no data was sent";
     throw InvalidArgument(out.str());
   }
-  NotifyResult result;
-  result.num_recv_tokens = status_host_->num_recv_tokens;
+  return status_host_->num_recv_tokens;
+}
+
+NotifyCounts IntranodeRuntime::notify_counts(int num_local_experts) const {
+  EP_CHECK_ARG(num_local_experts >= 0 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts");
+  NotifyCounts result;
   result.num_recv_tokens_per_rank.resize(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r) result.num_recv_tokens_per_rank[r] = status_host_->num_recv_tokens_per_rank[r];
   result.num_recv_tokens_per_expert.resize(num_local_experts);

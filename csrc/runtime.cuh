@@ -16,8 +16,7 @@
 
 namespace ep_plugin {
 
-struct NotifyResult {
-  int num_recv_tokens;
+struct NotifyCounts {
   std::vector<int> num_recv_tokens_per_rank;
   std::vector<int> num_recv_tokens_per_expert;
 };
@@ -78,8 +77,12 @@ class IntranodeRuntime {
   // Needs the host to know the received rows per source (a dispatch that synchronised with the host).
   void staged_combine(StagedCombineRequest request, cudaStream_t stream, cudaStream_t side);
 
-  // Host wait for the notify published with `tag`; raises on bad input, device errors and timeout.
-  NotifyResult wait_notify(int tag, int num_local_experts, cudaStream_t stream);
+  // Host wait for the notify published with `tag`: its received row count; raises on bad input, device
+  // errors and timeout.
+  int wait_notify(int tag, cudaStream_t stream);
+  // The last waited notify's rows per source rank and aligned rows per local expert. Read after the
+  // dispatch's launch, off the path from the count's arrival to the launch; valid until the next notify.
+  NotifyCounts notify_counts(int num_local_experts) const;
   // Throws if a kernel of this rank recorded an error (timeout, bad input seen on the device). The
   // kernels then left early: the runtime is failed (its rings are not trusted) and every later call throws.
   void check_device_error() const;

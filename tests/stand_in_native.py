@@ -109,13 +109,16 @@ class StandInIntranodeRuntime:
         share = -(-sum(per_rank) // num_local_experts)
         return sum(per_rank), per_rank, [-(-share // alignment) * alignment] * num_local_experts
 
-    def wait_notify(self, tag: int, num_local_experts: int, stream: int) -> Tuple[int, List[int], List[int]]:
+    def wait_notify(self, tag: int, stream: int) -> int:
         num_tokens, alignment, notified_tag = self._notify
         if tag != notified_tag:
             raise AssertionError(f"wait_notify for tag {tag}; the last notify had tag {notified_tag}")
-        counts = self.received(num_tokens, num_local_experts, alignment)
         self.wait_returned_at = time.perf_counter()
-        return counts
+        return num_tokens * self.num_ranks
+
+    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int]]:
+        num_tokens, alignment, _ = self._notify
+        return self.received(num_tokens, num_local_experts, alignment)[1:]
 
     def dispatch(self, args, stream: int) -> None:
         self.launched_at = time.perf_counter()
@@ -145,10 +148,14 @@ class RecordingIntranodeRuntime(StandInIntranodeRuntime):
         super().notify(args, stream)
         self.launches.append(("notify", fields_of(args), ()))
 
-    def wait_notify(self, tag: int, num_local_experts: int, stream: int) -> Tuple[int, List[int], List[int]]:
-        counts = super().wait_notify(tag, num_local_experts, stream)
-        self.launches.append(("wait_notify", {}, (tag, num_local_experts)))
-        return counts
+    def wait_notify(self, tag: int, stream: int) -> int:
+        rows = super().wait_notify(tag, stream)
+        self.launches.append(("wait_notify", {}, (tag,)))
+        return rows
+
+    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int]]:
+        self.launches.append(("notify_counts", {}, (num_local_experts,)))
+        return super().notify_counts(num_local_experts)
 
     def dispatch(self, args, stream: int) -> None:
         self.launches.append(("dispatch", fields_of(args), ()))

@@ -94,12 +94,18 @@ def _check_metadata(ctx: Ctx, recv_topk_idx, recv_weights, handle, in_region: bo
         assert tensor.is_contiguous() and ctx.in_region(tensor, buffer) == in_region
 
 
+def _last_launch(calls):
+    """The last kernel launch recorded (the counts' read after a dispatch is not one)."""
+    return [call for call in calls if call[0] != "notify_counts"][-1]
+
+
 def case_bf16_dispatch_direct(ctx: Ctx) -> None:
     """notify, the wait for its tag, then the direct dispatch into outputs in the output region: the Args name
     every input and output; rows from the wait; the per-expert counts are the wait's."""
     (x, topk_idx, weights, per_expert, in_rank), outputs, calls = ctx.dispatch()
     recv_x, recv_topk_idx, recv_weights, per_expert_list, handle, _ = outputs
-    assert [call[0] for call in calls] == ["notify", "wait_notify", "direct_dispatch"]
+    # The counts' lists are read after the launch: nothing but the row count stands before it.
+    assert [call[0] for call in calls] == ["notify", "wait_notify", "direct_dispatch", "notify_counts"]
     notify, dispatch = calls[0][1], calls[2][1]
     inner = unwrap(handle)
     _expect_fields(notify, is_token_in_rank=in_rank.data_ptr(), num_tokens_per_expert=per_expert.data_ptr(),
@@ -107,7 +113,8 @@ def case_bf16_dispatch_direct(ctx: Ctx) -> None:
                    expert_alignment=1, num_worst_tokens=0, send_pos=inner.send_pos.data_ptr(),
                    recv_rank_offsets=inner.recv_rank_offsets.data_ptr(),
                    src_num_tokens=inner.src_num_tokens.data_ptr(), num_recv_tokens=inner.num_recv_device.data_ptr())
-    assert calls[1][2] == (notify["host_tag"], ctx.num_local) and notify["host_tag"] > 0
+    assert calls[1][2] == (notify["host_tag"],) and notify["host_tag"] > 0
+    assert calls[3][2] == (ctx.num_local,)
     assert calls[2][2] == (ctx.rows, True)
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (ctx.rows, HIDDEN) and ctx.in_region(recv_x)
     _check_metadata(ctx, recv_topk_idx, recv_weights, handle, in_region=True)
@@ -128,7 +135,7 @@ def case_fp8_dispatch_and_cached(ctx: Ctx) -> None:
     assert recv_scales.dtype == torch.float32 and recv_scales.shape == (ctx.rows, HIDDEN // 128)
     assert ctx.in_region(recv_x) and ctx.in_region(recv_scales)
     assert all(count % 4 == 0 for count in per_expert_list) and calls[0][1]["expert_alignment"] == 4
-    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+    _expect_fields(_last_launch(calls)[1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
                    recv_x_scales=recv_scales.data_ptr())
 
     first = len(ctx.runtime().launches)
@@ -178,27 +185,27 @@ def case_full_region_falls_back(ctx: Ctx) -> None:
     so (it falls back to the rings on every rank); the first dispatch's blocks come back when its
     outputs go."""
     _, first, calls = ctx.dispatch("small")
-    assert calls[-1][0] == "direct_dispatch" and calls[-1][2] == (ctx.rows, True) and ctx.in_region(first[0], "small")
+    assert _last_launch(calls)[0] == "direct_dispatch" and _last_launch(calls)[2] == (ctx.rows, True) and ctx.in_region(first[0], "small")
     (x, topk_idx, weights, _, _), second, calls = ctx.dispatch("small")
     recv_x, recv_topk_idx, recv_weights, _, handle, _ = second
-    assert calls[-1][0] == "direct_dispatch" and calls[-1][2] == (ctx.rows, False)
+    assert _last_launch(calls)[0] == "direct_dispatch" and _last_launch(calls)[2] == (ctx.rows, False)
     assert not ctx.in_region(recv_x, "small")
     _check_metadata(ctx, recv_topk_idx, recv_weights, handle, in_region=False, buffer="small")
-    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+    _expect_fields(_last_launch(calls)[1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
                    recv_topk_idx=recv_topk_idx.data_ptr(), recv_src_idx=unwrap(handle).recv_src_idx.data_ptr())
     assert ctx.buffers["small"]._backend.last_dispatch_path == "direct"
     del first, second, recv_x, recv_topk_idx, recv_weights, handle
     _, third, calls = ctx.dispatch("small")
-    assert calls[-1][2] == (ctx.rows, True) and ctx.in_region(third[0], "small")
+    assert _last_launch(calls)[2] == (ctx.rows, True) and ctx.in_region(third[0], "small")
 
 
 def case_rings_without_region(ctx: Ctx) -> None:
     """No output region: the ring dispatch into ordinary tensors."""
     (x, topk_idx, weights, _, _), outputs, calls = ctx.dispatch("rings")
     recv_x, recv_topk_idx, recv_weights, _, handle, _ = outputs
-    assert [call[0] for call in calls] == ["notify", "wait_notify", "dispatch"]
+    assert [call[0] for call in calls] == ["notify", "wait_notify", "dispatch", "notify_counts"]
     assert recv_x.shape == (ctx.rows, HIDDEN) and recv_topk_idx.shape == (ctx.rows, TOPK)
-    _expect_fields(calls[-1][1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+    _expect_fields(_last_launch(calls)[1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
                    recv_topk_idx=recv_topk_idx.data_ptr(), recv_topk_weights=recv_weights.data_ptr(),
                    recv_src_idx=unwrap(handle).recv_src_idx.data_ptr())
     assert ctx.buffers["rings"]._backend.last_dispatch_path == "rings"

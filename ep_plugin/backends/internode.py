@@ -347,8 +347,8 @@ class InternodeMode(IntranodeMode):
         tag_bf16 = tag.view(torch.bfloat16)  # [F, 8]: one 16-byte row per forwarder row
         rows = node.num_recv_rows
         recv_tag = self._empty(rows, 8, dtype=torch.bfloat16)
-        self._launch_dispatch(tag_bf16, None, None, None, node.send_pos, recv_tag, None, None, None, None, 1,
-                              node.num_worst_tokens, node.num_recv_device, config)
+        self._launch_dispatch(tag_bf16, None, None, None, node.notify, recv_tag, None, None, None, None, 1,
+                              node.num_worst_tokens, config)
         final_src_node = recv_tag.view(torch.int32)[:, 0]
         return source_order(final_src_node, node.recv_rank_offsets, node.num_recv_device, self.info.ranks_per_node,
                             self.info.num_ranks)
@@ -379,8 +379,8 @@ class InternodeMode(IntranodeMode):
         rows = node.num_recv_rows
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
         recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
-        self._launch_dispatch(fwd_x, fwd_scales, None, None, node.send_pos, recv_x, recv_scales, None, None, None, 1,
-                              node.num_worst_tokens, node.num_recv_device, config)
+        self._launch_dispatch(fwd_x, fwd_scales, None, None, node.notify, recv_x, recv_scales, None, None, None, 1,
+                              node.num_worst_tokens, config)
         if handle.perm is not None:
             recv_x, recv_scales = _take(recv_x, handle.perm), _take(recv_scales, handle.perm)
         return recv_x, recv_scales
