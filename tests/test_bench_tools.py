@@ -71,16 +71,19 @@ def test_host_parts_parses_its_arguments():
     assert "--op {layout,ll_pair}" in run.stdout
 
 
-def host_parts_worker(rank: int, num_ranks: int, group, op: str) -> str:
+def host_parts_worker(rank: int, num_ranks: int, group, op: str, global_defaults: bool) -> str:
     from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels
     host_parts = _load("probes/host_parts")
     with stand_in_kernels(StandInLowLatencyRuntime()), mock.patch.object(torch.cuda, "synchronize"):
-        return host_parts.probe_rank(rank, num_ranks, group, op, "ep_plugin", 4)
+        return host_parts.probe_rank(rank, num_ranks, group, op, "ep_plugin", 4, global_defaults)
 
 
+@pytest.mark.parametrize("global_defaults", [False, True], ids=["plain", "global_defaults"])
 @pytest.mark.parametrize("op", ["layout", "ll_pair"])
-def test_host_parts_pieces_run_on_stand_in_kernels(op):
-    """Every piece of the probe runs against the current code (stand-in kernels: the numbers mean nothing)."""
+def test_host_parts_pieces_run_on_stand_in_kernels(op, global_defaults):
+    """Every piece of the probe runs against the current code (stand-in kernels: the numbers mean nothing),
+    also under torch's global default device and dtype."""
     pytest.importorskip("ep_plugin._C_nvshmem", reason="ep_plugin._C_nvshmem is not built here")
-    lines = parallel_launch(2, host_parts_worker, op, backend="gloo", timeout_s=120)[0].splitlines()
+    lines = parallel_launch(2, host_parts_worker, op, global_defaults, backend="gloo",
+                            timeout_s=120)[0].splitlines()
     assert all("p50" in line for line in lines) and len(lines) == (7 if op == "layout" else 18), lines

@@ -13,8 +13,10 @@ every field, or the plan's with the per-call fields), and the two binding calls 
 with prepared Args: the floor of the pair's host time).
 
 Both ranks make every call (the low-latency kernels are collectives); rank 0 reports p50 and p10.
+--global-defaults sets torch's default device (the rank's GPU) and dtype (bf16) after the inputs are made,
+as DeepEP programs do: every piece is then timed under them.
 
-    python3 benchmarks/probes/host_parts.py --op ll_pair
+    python3 benchmarks/probes/host_parts.py --op ll_pair [--global-defaults]
     python3 benchmarks/probes/host_parts.py --op layout
 """
 from __future__ import annotations
@@ -101,10 +103,12 @@ def ll_pair_pieces(lib, group, device, topk_idx) -> Tuple[object, Dict[str, Piec
     buffer = lib.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=EXPERTS // R,
                         explicitly_destroy=True)
     generator = torch.Generator().manual_seed(group.rank())
-    x = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
-    weights = torch.rand(TOKENS, TOPK, generator=generator).to(device)
+    # Explicit dtypes and devices: --global-defaults may have set others.
+    host = {"generator": generator, "dtype": torch.float32, "device": "cpu"}
+    x = torch.randn(TOKENS, HIDDEN, **host).to(torch.bfloat16).to(device)
+    weights = torch.rand(TOKENS, TOPK, **host).to(device)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=True)
-    expert_out = torch.randn(recv_x[0].shape, generator=generator).to(torch.bfloat16).to(device)
+    expert_out = torch.randn(recv_x[0].shape, **host).to(torch.bfloat16).to(device)
     buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
     last = {"handle": handle}  # the last dispatch's handle, for its combine
 
@@ -216,11 +220,15 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
 OPS = {"layout": layout_pieces, "ll_pair": ll_pair_pieces}
 
 
-def probe_rank(rank: int, world_size: int, group, op: str, library: str, iters: int) -> str:
+def probe_rank(rank: int, world_size: int, group, op: str, library: str, iters: int,
+               global_defaults: bool = False) -> str:
     lib = importlib.import_module(library)
     device = rank_device(rank)
     topk_idx = random_routing(TOKENS, EXPERTS, TOPK, device, torch.Generator().manual_seed(rank))
     topk_idx = topk_idx.to(getattr(lib, "topk_idx_t", torch.int64))
+    if global_defaults:
+        torch.set_default_device(device)
+        torch.set_default_dtype(torch.bfloat16)
     buffer, pieces = OPS[op](lib, group, device, topk_idx)
     lines = [f"{name:52} {host_us(piece, iters)}" for name, piece in pieces.items()]
     torch.cuda.synchronize()
@@ -232,12 +240,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=tuple(OPS), default="ll_pair", help="the call taken apart")
     parser.add_argument("--iters", type=int, default=400, help="timed calls per piece")
+    parser.add_argument("--global-defaults", action="store_true",
+                        help="time every piece under torch.set_default_device / set_default_dtype(bf16)")
     args = parser.parse_args()
+    defaults = ", global default device and dtype" if args.global_defaults else ""
     print(f"host us per call on rank 0 of 2 ({torch.cuda.get_device_name()}; {TOKENS} tokens, top-{TOPK} of "
-          f"{EXPERTS} experts, --op {args.op})", flush=True)
+          f"{EXPERTS} experts, --op {args.op}{defaults})", flush=True)
     libraries = ["ep_plugin"] + (["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])
     for library in libraries:
-        print(parallel_launch(2, probe_rank, args.op, library, args.iters, timeout_s=300)[0], flush=True)
+        print(parallel_launch(2, probe_rank, args.op, library, args.iters, args.global_defaults,
+                              timeout_s=300)[0], flush=True)
 
 
 if __name__ == "__main__":
