@@ -11,7 +11,8 @@ time leaves the GPU idle at small batches; this says which Python or C++ entry t
 `get_dispatch_layout`, and a low-latency dispatch + combine pair (FP8 dispatch, T_max = --tokens),
 for ep_plugin and, where `deep_ep` is importable, DeepEP V1, each in its own launch of the same run
 (both start NVSHMEM), with and without torch.set_default_device("cuda") + set_default_dtype(bf16).
-"host" is the median host time of one call (perf_counter); "wall" is the time of --iters calls
+"host" is the median host time of one call (perf_counter), "mean" its mean (a few stalled calls show
+there only); "wall" is the time of --iters calls
 back to back divided by --iters, with one synchronisation at the end (the larger of host and GPU).
 `--repeat N` runs every configuration N times, every other time in reverse order (a row's time
 could owe to its place in the run rather than to its settings).
@@ -123,7 +124,8 @@ def _eager_times(step: Callable[[], None], iters: int) -> Dict[str, float]:
     for _ in range(iters):
         step()
     _synchronize()
-    return {"host": statistics.median(host), "wall": (time.perf_counter() - begin) * 1e6 / iters}
+    return {"host": statistics.median(host), "host_mean": statistics.fmean(host),
+            "wall": (time.perf_counter() - begin) * 1e6 / iters}
 
 
 def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, library: str,
@@ -181,8 +183,9 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
             for global_defaults in order:
                 result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
                 label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
-                print(f"{label:45s} " + "  ".join(f"{name}: host {t['host']:.1f} wall {t['wall']:.1f}"
-                                                 for name, t in result["times"].items()))
+                print(f"{label:45s} " + "  ".join(
+                    f"{name}: host {t['host']:.1f} (mean {t['host_mean']:.1f}) wall {t['wall']:.1f}"
+                    for name, t in result["times"].items()))
                 if repeat == 0:
                     profiles.append(result["profile"])  # rank 0's
     print("".join(profiles))

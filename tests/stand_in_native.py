@@ -74,8 +74,8 @@ class StandInIntranodeRuntime:
     that do nothing. `wait_notify` answers as if every rank sent this rank all of its tokens (as many as
     this rank's notify had); each local expert gets an even share, rounded up to the alignment.
 
-    `wait_returned_at` / `launched_at`: time.perf_counter() as `wait_notify` returned and as the last
-    dispatch (rings or direct) was launched: their difference is the host's time between the two."""
+    `notified_at` / `wait_returned_at` / `launched_at`: time.perf_counter() as notify was launched, as
+    `wait_notify` returned and as the last dispatch (rings or direct) was launched."""
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int, timeout_s: float, staging_bytes: int = 0,
                  output_bytes: int = 0, direct_max_blocks: int = 16, direct_chunk_tokens: int = 1) -> None:
@@ -101,6 +101,7 @@ class StandInIntranodeRuntime:
         return _C.staging_rows(self.num_ranks, staging_bytes, hidden)
 
     def notify(self, args, stream: int) -> None:
+        self.notified_at = time.perf_counter()
         self._notify = (args.num_tokens, args.expert_alignment, args.host_tag)
 
     def received(self, num_tokens: int, num_local_experts: int, alignment: int) -> Tuple[int, List[int], List[int]]:

@@ -52,7 +52,10 @@ from ep_plugin.bench import random_routing  # noqa: E402
 from ep_plugin.launch import parallel_launch  # noqa: E402
 from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels  # noqa: E402
 
-WAIT_TO_LAUNCH = "  wait -> dispatch launch"  # the row of the gap inside `dispatch (notify)`
+# The rows of the host's stretches inside `dispatch (notify)`: before notify's launch, and from the count's
+# arrival to the dispatch's launch (the GPU idles through both in eager use).
+TO_NOTIFY = "  call -> notify launch"
+WAIT_TO_LAUNCH = "  wait -> dispatch launch"
 
 
 def _median_us(step: Callable[[], object], iters: int) -> float:
@@ -66,15 +69,18 @@ def _median_us(step: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _median_gap_us(step: Callable[[], object], runtime, iters: int) -> float:
-    """Median host time from `runtime.wait_notify`'s return to the dispatch's launch, over calls of `step`."""
+def _median_gaps_us(step: Callable[[], object], runtime, iters: int) -> Dict[str, float]:
+    """Median host time from the call to notify's launch, and from `runtime.wait_notify`'s return to the
+    dispatch's launch, over calls of `step`."""
     for _ in range(iters // 10):
         step()
-    gaps = []
+    to_notify, wait_to_launch = [], []
     for _ in range(iters):
+        begin = time.perf_counter()
         step()
-        gaps.append((runtime.launched_at - runtime.wait_returned_at) * 1e6)
-    return statistics.median(gaps)
+        to_notify.append((runtime.notified_at - begin) * 1e6)
+        wait_to_launch.append((runtime.launched_at - runtime.wait_returned_at) * 1e6)
+    return {TO_NOTIFY: statistics.median(to_notify), WAIT_TO_LAUNCH: statistics.median(wait_to_launch)}
 
 
 def _profile(name: str, step: Callable[[], object], iters: int, top: int) -> str:
@@ -132,7 +138,7 @@ def _timings(steps: Dict[str, Callable[[], object]], runtime, iters: int) -> Dic
     for name, step in steps.items():
         result[name] = _median_us(step, iters)
         if name == "dispatch (notify)":
-            result[WAIT_TO_LAUNCH] = _median_gap_us(step, runtime, iters)
+            result.update(_median_gaps_us(step, runtime, iters))
     return result
 
 

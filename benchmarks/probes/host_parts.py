@@ -12,7 +12,7 @@ each allocation, the Args (a fresh struct with
 every field, or the plan's with the per-call fields), and the two binding calls alone (dispatch + combine
 with prepared Args: the floor of the pair's host time).
 
-Both ranks make every call (the low-latency kernels are collectives); rank 0 reports p50 and p10.
+Both ranks make every call (the low-latency kernels are collectives); rank 0 reports p50, p10 and the mean.
 --global-defaults sets torch's default device (the rank's GPU) and dtype (bf16) after the inputs are made,
 as DeepEP programs do: every piece is then timed under them.
 
@@ -45,7 +45,7 @@ class Piece(NamedTuple):
 
 
 def host_us(piece: Piece, iters: int) -> str:
-    """p50 and p10 host time of `piece.step` in us, after a warm-up; the GPU drained before and after, and
+    """p50, p10 and mean host time of `piece.step` in us, after a warm-up; the GPU drained before and after, and
     every SYNC_EVERY calls (untimed)."""
     def call() -> float:
         if piece.before is not None:
@@ -66,8 +66,9 @@ def host_us(piece: Piece, iters: int) -> str:
         if i % SYNC_EVERY == SYNC_EVERY - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    mean = sum(times) / iters  # beside the median: stalls in a few calls show here only
     times.sort()
-    return f"p50 {times[iters // 2]:6.1f} p10 {times[iters // 10]:6.1f}"
+    return f"p50 {times[iters // 2]:6.1f} p10 {times[iters // 10]:6.1f} mean {mean:6.1f}"
 
 
 # ---- get_dispatch_layout ------------------------------------------------------------------------------------
