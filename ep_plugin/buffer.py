@@ -427,9 +427,10 @@ class Buffer:
         """Send every token to each rank that holds one of its experts (once per rank).
 
         Arguments:
-            x: `[T, H]` bf16, or a tuple `(fp8_e4m3fn [T, H], float32 scales [T, S])` (S = H / 128
-                for 128-channel blocks; the scales travel with their token). Rows must be a
-                multiple of 16 bytes.
+            x: `[T, H]` bf16, or a tuple `(fp8_e4m3fn [T, H], scales [T, S])` (S = H / 128 for
+                128-channel blocks; the scales travel with their token): float32, or int32 words
+                (packed UE8M0), in any layout; they arrive row-major in their dtype. Rows must be
+                a multiple of 16 bytes.
             handle: a handle from an earlier `dispatch`; reuses its layout (cached dispatch, e.g.
                 in the backward pass). Then `topk_idx` and `topk_weights` must be None. It indexes
                 like DeepEP's tuple (`ep_plugin.handles`; handle[0] is the `[R, R]` rank prefix matrix).

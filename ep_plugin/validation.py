@@ -104,13 +104,14 @@ def check_num_experts(num_experts: int, num_ranks: int) -> None:
 
 
 def split_x(x, device: torch.device, name: str = "x") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Accept a bf16 [T, H] tensor or an (fp8 [T, H], float32 scales [T, S]) tuple."""
+    """Accept a bf16 [T, H] tensor or an (fp8 [T, H], scales [T, S]) tuple; scales float32, or int32 (packed
+    UE8M0 words, as DeepEP takes them), in any layout (DeepGEMM's column-major one included)."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
-            raise ValueError(f"{name} as a tuple must be (fp8 tensor, float32 scales), got {len(x)} items")
+            raise ValueError(f"{name} as a tuple must be (fp8 tensor, float32 or int32 scales), got {len(x)} items")
         data, scales = x
         check_tensor(f"{name}[0]", data, (FP8_DTYPE,), 2, device)
-        check_tensor(f"{name}[1]", scales, (torch.float32,), 2, device, (data.size(0), None))
+        check_tensor(f"{name}[1]", scales, (torch.float32, torch.int32), 2, device, (data.size(0), None))
         if scales.size(1) < 1:
             raise ValueError(f"{name}[1] must have at least one scale per token")
         check_row_bytes(f"{name}[0]", data)

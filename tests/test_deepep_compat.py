@@ -319,6 +319,39 @@ def case_dispatch_without_topk(ctx: Ctx) -> None:
     assert_equal("combined", combined, expected_combine(inputs, ctx.rank))
 
 
+def _scale_layouts(x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """[T, H / 128] scales of `x` (CPU) as DeepEP programs pass them: float32 row-major, float32 column-major
+    (DeepGEMM's layout, `.T.contiguous().T`), and int32 (packed UE8M0 words, column-major)."""
+    scales = x[:, ::128].float() + 0.5
+    packed = (scales * 1000).to(torch.int32)
+    return {"float32": scales, "float32 column-major": scales.T.contiguous().T,
+            "int32 column-major": packed.T.contiguous().T}
+
+
+def case_fp8_scale_layouts(ctx: Ctx) -> None:
+    """FP8 rows with each scale layout of `_scale_layouts`: the scales arrive row-major, in their dtype, with
+    their rows (dispatch and cached dispatch), bit for bit."""
+    inputs = ctx.inputs()
+    mine = ctx.mine(inputs)
+    received = [inp["is_token_in_rank"][:, ctx.rank] for inp in inputs]
+    want_rows = torch.cat([inp["x"].float().to(torch.float8_e4m3fn)[sent] for inp, sent in zip(inputs, received)])
+    layout = dict(num_tokens_per_rank=mine["num_tokens_per_rank"], is_token_in_rank=mine["is_token_in_rank"],
+                  num_tokens_per_expert=mine["num_tokens_per_expert"])
+    rows = mine["x"].float().to(torch.float8_e4m3fn)
+    for name, scales in _scale_layouts(inputs[ctx.rank]["x"]).items():
+        want_scales = torch.cat([_scale_layouts(inp["x"])[name][sent].contiguous()
+                                 for inp, sent in zip(inputs, received)])
+        (recv_rows, recv_scales), _, _, _, handle, _ = ctx.normal.dispatch(
+            (rows, scales.to(ctx.device)), topk_idx=mine["topk_idx"], **layout)
+        assert recv_rows.dtype == torch.float8_e4m3fn
+        assert_equal(f"{name}: recv_x rows", recv_rows.view(torch.uint8), want_rows.view(torch.uint8))
+        assert recv_scales.is_contiguous(), f"{name}: recv scales strides {recv_scales.stride()}"
+        assert_equal(f"{name}: recv scales", recv_scales, want_scales)
+        (cached_rows, cached_scales), *_ = ctx.normal.dispatch((rows, scales.to(ctx.device)), handle=handle)
+        assert_equal(f"{name}: cached rows", cached_rows.view(torch.uint8), want_rows.view(torch.uint8))
+        assert_equal(f"{name}: cached scales", cached_scales, want_scales)
+
+
 def case_handle_from_gathered_counts(ctx: Ctx) -> None:
     """A backend handle without the count matrix (as the native one): positions 0, 5 and the internode
     tuple's 6 come from an all_gather of every rank's send counts over the group."""

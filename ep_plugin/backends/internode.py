@@ -266,7 +266,7 @@ class InternodeMode(IntranodeMode):
 
         # Network leg, data: one row per (token, destination node) into the forwarders' rows.
         fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
-        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
+        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=x_scales.dtype)
         fwd_topk = self._empty(F, K, dtype=torch.int64)
         fwd_weights = None if topk_weights is None else self._empty(F, K, dtype=torch.float32)
         send_pos = self._empty(T, N, dtype=torch.int32)
@@ -365,7 +365,7 @@ class InternodeMode(IntranodeMode):
                          _C_nvshmem.internode_dispatch_slot_bytes(row_bytes, num_scales, 0, False))
         self._prepare_rings(_NET_DISPATCH, (C, S, slot_bytes), after_notify=False)
         fwd_x = self._empty(F, x.size(1), dtype=x.dtype)
-        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=torch.float32)
+        fwd_scales = None if x_scales is None else self._empty(F, num_scales, dtype=x_scales.dtype)
         args = _ring_args(_C_nvshmem.InternodeDispatchArgs(), (C, B, S, slot_bytes), config)
         args.num_tokens, args.row_bytes, args.num_scales = T, row_bytes, num_scales  # no top-k: cached
         args.x, args.x_scales = address_of(x), address_of(x_scales)
@@ -378,7 +378,7 @@ class InternodeMode(IntranodeMode):
             return fwd_x, fwd_scales
         rows = node.num_recv_rows
         recv_x = self._empty(rows, x.size(1), dtype=x.dtype)
-        recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=torch.float32)
+        recv_scales = None if x_scales is None else self._empty(rows, num_scales, dtype=x_scales.dtype)
         self._launch_dispatch(fwd_x, fwd_scales, None, None, node.notify, recv_x, recv_scales, None, None, None, 1,
                               node.num_worst_tokens, config)
         if handle.perm is not None:

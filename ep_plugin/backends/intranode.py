@@ -181,7 +181,7 @@ class IntranodeMode(NativeBase):
         recv_topk_weights and recv_src_idx (a dispatch with notify)."""
         args = self._dispatch_args(x, x_scales, topk_idx, topk_weights, notify, num_local_experts, num_worst_tokens,
                                    config)
-        columns = [(x.size(1), x.dtype), None if x_scales is None else (x_scales.size(1), torch.float32)]
+        columns = [(x.size(1), x.dtype), None if x_scales is None else (x_scales.size(1), x_scales.dtype)]
         if with_metadata:
             K = args.num_topk
             columns += [None if topk_idx is None else (K, torch.int64),
