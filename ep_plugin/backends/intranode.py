@@ -3,7 +3,7 @@ combines (`_C.IntranodeRuntime` over CUDA-IPC-mapped buffers). Also the intranod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,11 @@ class NotifyOutputs:
     __slots__ = ("words", "num_tokens", "num_ranks", "send_pos_address", "recv_rank_offsets_address",
                  "src_num_tokens_address", "num_recv_address")
 
-    def __init__(self, words: torch.Tensor, num_tokens: int, num_ranks: int) -> None:
-        self.words, self.num_tokens, self.num_ranks = words, num_tokens, num_ranks
-        base = words.data_ptr()
+    def __init__(self, empty: Callable[..., torch.Tensor], num_tokens: int, num_ranks: int) -> None:
+        """`empty(words, dtype=...)` allocates on the buffer's device."""
         starts = self.starts(num_tokens, num_ranks)
+        self.words, self.num_tokens, self.num_ranks = empty(starts[4], dtype=torch.int32), num_tokens, num_ranks
+        base = self.words.data_ptr()
         self.send_pos_address = base if num_tokens > 0 else 0
         self.recv_rank_offsets_address = base + 4 * starts[1]
         self.src_num_tokens_address = base + 4 * starts[2]
@@ -135,7 +136,7 @@ class IntranodeMode(NativeBase):
         R = is_token_in_rank.size(1)
         num_experts = num_tokens_per_expert.size(0)
         num_local_experts = local_experts(num_experts, R)
-        notify = NotifyOutputs(self._empty(NotifyOutputs.starts(T, R)[4], dtype=torch.int32), T, R)
+        notify = NotifyOutputs(self._empty, T, R)
         host_tag = 0
         if num_worst_tokens == 0:
             self._notify_tag += 1
