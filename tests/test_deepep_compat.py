@@ -338,9 +338,9 @@ def case_fp8_scale_layouts(ctx: Ctx) -> None:
     layout = dict(num_tokens_per_rank=mine["num_tokens_per_rank"], is_token_in_rank=mine["is_token_in_rank"],
                   num_tokens_per_expert=mine["num_tokens_per_expert"])
     rows = mine["x"].float().to(torch.float8_e4m3fn)
-    for name, scales in _scale_layouts(inputs[ctx.rank]["x"]).items():
-        want_scales = torch.cat([_scale_layouts(inp["x"])[name][sent].contiguous()
-                                 for inp, sent in zip(inputs, received)])
+    layouts = [_scale_layouts(inp["x"]) for inp in inputs]  # every source's scales, each layout
+    for name, scales in layouts[ctx.rank].items():
+        want_scales = torch.cat([layout[name][sent].contiguous() for layout, sent in zip(layouts, received)])
         (recv_rows, recv_scales), _, _, _, handle, _ = ctx.normal.dispatch(
             (rows, scales.to(ctx.device)), topk_idx=mine["topk_idx"], **layout)
         assert recv_rows.dtype == torch.float8_e4m3fn
