@@ -91,6 +91,8 @@ void bind_dispatch_args(py::module_& m) {
       .def_readwrite("num_tokens", &intranode::DispatchArgs::num_tokens)
       .def_readwrite("row_bytes", &intranode::DispatchArgs::row_bytes)
       .def_readwrite("num_scales", &intranode::DispatchArgs::num_scales)
+      .def_readwrite("scale_token_stride", &intranode::DispatchArgs::scale_token_stride)
+      .def_readwrite("scale_stride", &intranode::DispatchArgs::scale_stride)
       .def_readwrite("num_topk", &intranode::DispatchArgs::num_topk)
       .def_readwrite("num_local_experts", &intranode::DispatchArgs::num_local_experts)
       .def_readwrite("num_worst_tokens", &intranode::DispatchArgs::num_worst_tokens);

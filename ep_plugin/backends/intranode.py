@@ -204,6 +204,7 @@ class IntranodeMode(NativeBase):
         args.send_chunk = config.num_max_nvl_chunked_send_tokens
         args.num_tokens, args.row_bytes = x.size(0), x.size(1) * x.element_size()
         args.num_scales = 0 if x_scales is None else x_scales.size(1)
+        args.scale_token_stride, args.scale_stride = (0, 0) if x_scales is None else x_scales.stride()
         args.num_topk = 0 if topk_idx is None else topk_idx.size(1)
         args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
         args.x, args.x_scales = address_of(x), address_of(x_scales)
