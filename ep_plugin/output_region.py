@@ -6,7 +6,7 @@ copies). The allocator lives in the extension (`_C.OutputRegionAllocator`, csrc/
 outputs are ordinary torch tensors (DLPack), and a block returns to the region when its last tensor is
 freed. Like torch's caching allocator, a freed block is reused at once by allocations on the stream it
 was allocated on, and by another stream only after that stream waits for the work queued on the first
-one before the free.
+one (an event recorded when the other stream allocates; a free makes no CUDA call).
 """
 from __future__ import annotations
 
