@@ -5,28 +5,23 @@
 
 namespace ep_plugin {
 
-ReleaseEvent::ReleaseEvent(int device, cudaStream_t stream) {
-  // NOTE: a tensor may die on any thread (the event must be made on the stream's device), and inside
-  // torch's storage destructor, where nothing may throw: on a CUDA error (the runtime unloading at exit)
-  // the block is released without an event.
+namespace {
+
+// `stream` waits for the work queued so far on `other`, both streams of `device`.
+void wait_for_stream(int device, cudaStream_t stream, cudaStream_t other) {
   int current = 0;
-  if (cudaGetDevice(&current) != cudaSuccess || (current != device && cudaSetDevice(device) != cudaSuccess)) {
-    (void)cudaGetLastError();
-    return;
-  }
-  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
-    event = nullptr;
-  } else if (cudaEventRecord(event, stream) != cudaSuccess) {
-    (void)cudaEventDestroy(event);
-    event = nullptr;
-  }
-  if (current != device) (void)cudaSetDevice(current);
-  (void)cudaGetLastError();
+  CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) CUDA_CHECK(cudaSetDevice(device));  // the event must be made on the streams' device
+  cudaEvent_t event = nullptr;
+  CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(event, other);
+  const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(stream, event, 0) : recorded;
+  (void)cudaEventDestroy(event);  // released once the wait no longer needs it
+  if (current != device) CUDA_CHECK(cudaSetDevice(current));
+  CUDA_CHECK(waited);
 }
 
-ReleaseEvent::~ReleaseEvent() {
-  if (event != nullptr) (void)cudaEventDestroy(event);  // at process exit the context may be gone
-}
+}  // namespace
 
 OutputRegionAllocator::OutputRegionAllocator(uintptr_t address, int64_t size, int device)
     : address_(address), device_(device), ranges_(size) {
@@ -52,9 +47,12 @@ std::optional<std::vector<OutputRegionAllocator::Tensor>> OutputRegionAllocator:
   auto found = ranges_.allocate(nbytes);
   if (!found) return std::nullopt;
   if (device_ >= 0) {
+    // NOTE: what `other` queued since its release is waited for too: more than needed, never less. A
+    // stream that allocated here must live until its blocks are reused elsewhere (torch's streams live
+    // for the process).
     for (const auto& [other, pending] : found->pending)
-      if (other != stream && pending.marker && pending.marker->event != nullptr)
-        CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), pending.marker->event, 0));
+      if (other != stream) wait_for_stream(device_, reinterpret_cast<cudaStream_t>(stream),
+                                           reinterpret_cast<cudaStream_t>(other));
   }
   blocks_[found->offset] = Block{nbytes, static_cast<int>(byte_shapes.size()), stream};
   std::vector<Tensor> tensors;
@@ -69,11 +67,10 @@ void OutputRegionAllocator::release_tensor(int64_t block_offset) {
   if (it == blocks_.end() || --it->second.tensors_alive > 0) return;
   const Block block = it->second;
   blocks_.erase(it);
-  // NOTE: the event marks the work queued on the allocation stream so far, which includes every use of
-  // the tensors on it; a user of another stream must have recorded that stream's work (as with torch).
-  std::shared_ptr<ReleaseEvent> event;
-  if (device_ >= 0) event = std::make_shared<ReleaseEvent>(device_, reinterpret_cast<cudaStream_t>(block.stream));
-  ranges_.release(block_offset, block.nbytes, block.stream, std::move(event));
+  // NOTE: the allocation stream's work includes every use of the tensors on it; a user of another stream
+  // must have recorded that stream's work (as with torch). Another stream that takes the block later
+  // waits for the allocation stream then (allocate).
+  ranges_.release(block_offset, block.nbytes, block.stream, true);
 }
 
 std::string OutputRegionAllocator::describe() {

@@ -3,8 +3,9 @@
 // The region is the end of this rank's NVLink buffer. A direct dispatch allocates its outputs here and
 // hands them to torch as DLPack tensors whose deleter returns the block, so a block is free again when
 // the last tensor on it dies. Like torch's caching allocator, a freed block is reused at once on the
-// stream it was allocated on, and on another stream only after that stream waits for an event recorded
-// at the free.
+// stream it was allocated on, and on another stream only after that stream waits for the first one's
+// work: an event recorded on the first stream when the other allocates, which covers all that was
+// queued at the free. A free makes no CUDA call (it may run inside any tensor's destructor, on any thread).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -107,16 +108,8 @@ class RegionRanges {
   std::map<int64_t, FreeRange> free_;  // by offset
 };
 
-// A CUDA event recorded at a release (destroyed with the last range that remembers it); `event` stays
-// null where CUDA failed (never throws).
-struct ReleaseEvent {
-  ReleaseEvent(int device, cudaStream_t stream);
-  ~ReleaseEvent();
-  cudaEvent_t event = nullptr;
-};
-
 // The region at `address` (`size` bytes) of CUDA device `device`, or of host memory with device -1
-// (tests: no events, CPU tensors).
+// (tests: no streams waited for, CPU tensors).
 class OutputRegionAllocator {
  public:
   struct Tensor {
@@ -149,7 +142,7 @@ class OutputRegionAllocator {
   uintptr_t address_;
   int device_;
   std::mutex mutex_;
-  RegionRanges<std::shared_ptr<ReleaseEvent>> ranges_;
+  RegionRanges<bool> ranges_;  // a release's marker says only that it happened: its stream is the key
   std::map<int64_t, Block> blocks_;  // by offset
 };
 

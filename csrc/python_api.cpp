@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/binding.h"
@@ -91,6 +93,8 @@ void bind_dispatch_args(py::module_& m) {
       .def_readwrite("num_tokens", &intranode::DispatchArgs::num_tokens)
       .def_readwrite("row_bytes", &intranode::DispatchArgs::row_bytes)
       .def_readwrite("num_scales", &intranode::DispatchArgs::num_scales)
+      .def_readwrite("scale_token_stride", &intranode::DispatchArgs::scale_token_stride)
+      .def_readwrite("scale_stride", &intranode::DispatchArgs::scale_stride)
       .def_readwrite("num_topk", &intranode::DispatchArgs::num_topk)
       .def_readwrite("num_local_experts", &intranode::DispatchArgs::num_local_experts)
       .def_readwrite("num_worst_tokens", &intranode::DispatchArgs::num_worst_tokens);
@@ -211,6 +215,46 @@ py::object allocate_in_region(const std::shared_ptr<OutputRegionAllocator>& regi
   return std::move(capsules);
 }
 
+// Output `index` of a dispatch (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) at `data`.
+void set_dispatch_output(intranode::DispatchArgs& args, int index, void* data) {
+  switch (index) {
+    case 0: args.recv_x = data; return;
+    case 1: args.recv_x_scales = static_cast<float*>(data); return;
+    case 2: args.recv_topk_idx = static_cast<int64_t*>(data); return;
+    case 3: args.recv_topk_weights = static_cast<float*>(data); return;
+    case 4: args.recv_src_idx = static_cast<int32_t*>(data); return;
+    default: EP_CHECK_ARG(false, "dispatch output index must be in [0, 5), got " << index);
+  }
+}
+
+// A direct dispatch's outputs of `rows` rows in the output region, their addresses set in `args`, in one
+// call (the host's step between the received count and the launch). `blocks[b]` lists block b's outputs as
+// (output index, bytes per row, 2-D); each block is one allocation. Returns one uint8 capsule per listed
+// output, block by block, or None when a block has no room (the blocks taken go back with their capsules,
+// and `args` keeps no address of them).
+py::object place_direct_outputs(intranode::DispatchArgs& args, const std::shared_ptr<OutputRegionAllocator>& region,
+                                int64_t rows, const std::vector<std::vector<std::tuple<int, int64_t, bool>>>& blocks,
+                                uintptr_t stream) {
+  EP_CHECK_ARG(rows >= 0, "rows must be >= 0, got " << rows);
+  py::list capsules;
+  std::vector<std::pair<int, void*>> placed;
+  for (const auto& block : blocks) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& [index, row_bytes, two_d] : block)
+      shapes.push_back(two_d ? std::vector<int64_t>{rows, row_bytes} : std::vector<int64_t>{rows * row_bytes});
+    auto tensors = region->allocate(shapes, stream);
+    if (!tensors) return py::none();
+    const int64_t block_offset = tensors->empty() ? 0 : static_cast<uint8_t*>(tensors->front().data) -
+                                                            reinterpret_cast<uint8_t*>(region->address());
+    for (size_t i = 0; i < tensors->size(); ++i) {
+      capsules.append(region_capsule(region, (*tensors)[i], block_offset));
+      placed.emplace_back(std::get<0>(block[i]), (*tensors)[i].data);
+    }
+  }
+  for (const auto& [index, data] : placed) set_dispatch_output(args, index, data);
+  return std::move(capsules);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -291,6 +335,10 @@ PYBIND11_MODULE(_C, m) {
            "None when no free range holds them. The block returns when every tensor made from them is gone.")
       .def("largest_free", &OutputRegionAllocator::largest_free)
       .def("describe", &OutputRegionAllocator::describe);
+  m.def("place_direct_outputs", &place_direct_outputs, py::arg("args"), py::arg("region"), py::arg("rows"),
+        py::arg("blocks"), py::arg("stream"),
+        "A direct dispatch's outputs in the output region, their addresses set in args: one uint8 capsule per "
+        "output of blocks ([[(output index, bytes per row, 2-D), ...] per block]), or None when a block has no room.");
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
       .def(py::init<int, int, int64_t, double, int64_t, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"),

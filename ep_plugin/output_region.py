@@ -6,7 +6,7 @@ copies). The allocator lives in the extension (`_C.OutputRegionAllocator`, csrc/
 outputs are ordinary torch tensors (DLPack), and a block returns to the region when its last tensor is
 freed. Like torch's caching allocator, a freed block is reused at once by allocations on the stream it
 was allocated on, and by another stream only after that stream waits for the work queued on the first
-one before the free.
+one (an event recorded when the other stream allocates; a free makes no CUDA call).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class OutputRegion:
 
         self.address, self.size, self.device = address, size, device
         self._allocator = _C.OutputRegionAllocator(address, size, device.index if device.type == "cuda" else -1)
+        self._place_direct_outputs = _C.place_direct_outputs
 
     def empty_group(self, specs: List[Spec], stream: int) -> Optional[List[torch.Tensor]]:
         """Uninitialised tensors of the given (shape, dtype) in one block of the region, for use on
@@ -47,6 +48,13 @@ class OutputRegion:
         each, see `byte_shape`), for use on `stream`; None when the region has no room for them."""
         capsules = self._allocator.allocate(byte_shapes, stream)
         return None if capsules is None else [_from_dlpack(capsule) for capsule in capsules]
+
+    def place_direct_outputs(self, args, rows: int, blocks: List[List[Tuple[int, int, bool]]],
+                             stream: int) -> Optional[list]:
+        """A direct dispatch's outputs of `rows` rows, their addresses set in `args` (`_C.DispatchArgs`):
+        `blocks[b]` lists block b's outputs as (output index, bytes per row, 2-D). One uint8 DLPack
+        capsule per listed output, block by block, or None when a block has no room."""
+        return self._place_direct_outputs(args, self._allocator, rows, blocks, stream)
 
     def largest_free_bytes(self) -> int:
         return self._allocator.largest_free()

@@ -115,7 +115,9 @@ def split_x(x, device: torch.device, name: str = "x") -> Tuple[torch.Tensor, Opt
         if scales.size(1) < 1:
             raise ValueError(f"{name}[1] must have at least one scale per token")
         check_row_bytes(f"{name}[0]", data)
-        return data.contiguous(), scales.contiguous()
+        # Scales keep their layout (the intranode kernels read any positive strides, DeepGEMM's column-major
+        # ones included, without a copy); a broadcast one (stride 0) is made whole.
+        return data.contiguous(), scales if min(scales.stride()) > 0 else scales.contiguous()
     check_tensor(name, x, (torch.bfloat16,), 2, device)
     check_row_bytes(name, x)
     return x.contiguous(), None

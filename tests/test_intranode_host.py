@@ -40,17 +40,18 @@ class Ctx:
     def runtime(self, buffer: str = "direct") -> RecordingIntranodeRuntime:
         return self.buffers[buffer]._backend._runtime
 
-    def inputs(self, fp8: bool = False):
+    def inputs(self, fp8: bool = False, column_major_scales: bool = False):
         x = torch.randn(T, HIDDEN, generator=self.gen).to(torch.bfloat16)
         if fp8:
-            x = (x.to(torch.float8_e4m3fn), torch.rand(T, HIDDEN // 128, generator=self.gen))
+            scales = torch.rand(T, HIDDEN // 128, generator=self.gen)
+            x = (x.to(torch.float8_e4m3fn), scales.T.contiguous().T if column_major_scales else scales)
         topk_idx = random_routing(T, NUM_EXPERTS, TOPK, "cpu", self.gen)
         weights = torch.rand(T, TOPK, generator=self.gen)
         return x, topk_idx, weights
 
-    def dispatch(self, buffer: str = "direct", fp8: bool = False, **kwargs):
+    def dispatch(self, buffer: str = "direct", fp8: bool = False, column_major_scales: bool = False, **kwargs):
         """A dispatch with its layout; (inputs, outputs, the calls it made to the runtime)."""
-        x, topk_idx, weights = self.inputs(fp8)
+        x, topk_idx, weights = self.inputs(fp8, column_major_scales)
         target = self.buffers[buffer]
         per_rank, _, per_expert, in_rank, _ = target.get_dispatch_layout(topk_idx, NUM_EXPERTS)
         first = len(self.runtime(buffer).launches)
@@ -75,7 +76,9 @@ def _data(x):
 def _input_fields(x, topk_idx, weights, handle) -> Dict[str, object]:
     inner = unwrap(handle)
     data, scales = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
-    return dict(x=data.data_ptr(), x_scales=0 if scales is None else scales.data_ptr(), num_tokens=T,
+    return dict(x=data.data_ptr(), x_scales=0 if scales is None else scales.data_ptr(),
+                scale_token_stride=0 if scales is None else scales.stride(0),
+                scale_stride=0 if scales is None else scales.stride(1), num_tokens=T,
                 row_bytes=HIDDEN * data.element_size(), num_scales=0 if scales is None else scales.size(1),
                 topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
                 topk_weights=0 if weights is None else weights.data_ptr(), send_pos=inner.send_pos.data_ptr(),
@@ -148,6 +151,16 @@ def case_fp8_dispatch_and_cached(ctx: Ctx) -> None:
     _expect_fields(calls[0][1], **_input_fields(x, None, None, handle), num_topk=0, num_local_experts=1,
                    num_worst_tokens=0, recv_x=cached_x.data_ptr(), recv_x_scales=cached_scales.data_ptr(),
                    recv_topk_idx=0, recv_topk_weights=0, recv_src_idx=0)
+
+
+def case_fp8_column_major_scales_read_in_place(ctx: Ctx) -> None:
+    """Column-major scales (DeepGEMM's layout) reach the kernels as they are, with their strides: no copy."""
+    (x, topk_idx, weights, _, _), outputs, calls = ctx.dispatch(fp8=True, column_major_scales=True)
+    (recv_x, recv_scales), _, _, _, handle, _ = outputs
+    assert x[1].stride() == (1, T)
+    assert recv_scales.is_contiguous() and recv_scales.shape == (ctx.rows, HIDDEN // 128)
+    _expect_fields(_last_launch(calls)[1], **_input_fields(x, topk_idx, weights, handle), recv_x=recv_x.data_ptr(),
+                   recv_x_scales=recv_scales.data_ptr())  # x_scales: the caller's tensor, strides (1, T)
 
 
 def case_num_worst_tokens(ctx: Ctx) -> None:

@@ -283,6 +283,41 @@ def async_rank(rank: int, R: int, group) -> bool:
     return True
 
 
+def region_reuse_rank(rank: int, R: int, group) -> bool:
+    """A direct dispatch's outputs freed while stream A still reads them, then a dispatch on stream B that
+    takes the same block of the output region: B's kernels wait for A's work first."""
+    native, _ = make_buffers(group, dispatch_output_bytes=direct_output_bytes(R))
+    case = dict(T=512, H=7168, K=8, E=64)
+    first_stream, second_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    x, topk_idx, weights = make_inputs(rank, R, case, seed=5)
+    layout = native.get_dispatch_layout(topk_idx, 64)
+    args = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                topk_idx=topk_idx, topk_weights=weights)
+    first_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(first_stream):
+        out = native.dispatch(x, **args)
+        want = out[0].clone()
+        address = out[0].data_ptr()
+        torch.cuda._sleep(200_000_000)  # stream A still works when its outputs die
+        seen = out[0].clone()
+    del out
+    second_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(second_stream):
+        again = native.dispatch((x.float() * -1).to(torch.bfloat16), **args)
+    reused = again[0].data_ptr() == address
+    torch.cuda.synchronize()
+    assert reused, "the second dispatch did not take the first one's block (the case tests nothing)"
+    assert_same("rows stream A read after its outputs were freed", seen, want)
+    del again
+    native.destroy()
+    return True
+
+
+@needs_ranks(RANKS)
+def test_output_region_block_reused_by_another_stream_waits_for_the_first():
+    assert parallel_launch(RANKS, region_reuse_rank) == [True] * RANKS
+
+
 @needs_ranks(RANKS)
 def test_async_events():
     assert parallel_launch(RANKS, async_rank) == [True] * RANKS

@@ -148,6 +148,44 @@ def test_full_region_gives_none_and_frees_make_room_again():
     assert again.numel() == 4 * ALIGNMENT
 
 
+def test_direct_outputs_are_placed_block_by_block_with_their_addresses_set():
+    """One call places a direct dispatch's outputs (rows block, metadata block) and writes their addresses
+    into the Args; each block returns with its last tensor."""
+    host = HostRegion(256 * ALIGNMENT)
+    args = _C.DispatchArgs()
+    rows = 5
+    blocks = [[(0, 7168, True), (1, 56 * 4, True)], [(2, 8 * 8, True), (3, 8 * 4, True), (4, 4, False)]]
+    capsules = host.region.place_direct_outputs(args, rows, blocks, 0)
+    tensors = [torch._C._from_dlpack(capsule) for capsule in capsules]
+    assert [tuple(t.shape) for t in tensors] == [(5, 7168), (5, 224), (5, 64), (5, 32), (20,)]
+    assert [t.dtype for t in tensors] == [torch.uint8] * 5
+    fields = ["recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx"]
+    assert [getattr(args, name) for name in fields] == [t.data_ptr() for t in tensors]
+    assert all((t.data_ptr() - host.base) % ALIGNMENT == 0 for t in tensors)
+    assert all(host.base <= t.data_ptr() and t.data_ptr() + t.nbytes <= host.base + host.size for t in tensors)
+    rows_block, metadata_block = tensors[:2], tensors[2:]
+    free_with_both = host.region.largest_free_bytes()
+    del rows_block, tensors
+    gc.collect()
+    assert host.region.largest_free_bytes() > free_with_both, "the rows block went back alone"
+    del metadata_block
+    gc.collect()
+    assert host.region.largest_free_bytes() == 256 * ALIGNMENT
+
+
+def test_direct_outputs_without_room_give_none_and_leave_the_args_alone():
+    """A second block without room: None; the first block goes back, and the Args keep no address."""
+    host = HostRegion(4 * ALIGNMENT)
+    args = _C.DispatchArgs()
+    blocks = [[(0, 2 * ALIGNMENT, True)], [(2, 4 * ALIGNMENT, True)]]
+    assert host.region.place_direct_outputs(args, 1, blocks, 0) is None
+    assert args.recv_x == 0 and args.recv_topk_idx == 0
+    gc.collect()
+    assert host.region.largest_free_bytes() == 4 * ALIGNMENT
+    with pytest.raises(ValueError, match="output index"):
+        host.region.place_direct_outputs(args, 1, [[(5, 16, True)]], 0)
+
+
 def test_byte_shape():
     assert byte_shape((3, 7), torch.bfloat16) == [3, 14]
     assert byte_shape((6,), torch.int32) == [24]

@@ -59,7 +59,9 @@ struct DispatchArgs {
   int send_chunk;                   // tokens written before the ring tail is published
   int num_tokens, row_bytes, num_scales, num_topk, num_local_experts;
   const void* x;                    // [T, row_bytes]
-  const float* x_scales;            // [T, num_scales] or nullptr
+  const float* x_scales;            // [T, num_scales] or nullptr; any strides (float32 or int32 words)
+  int64_t scale_token_stride;       // x_scales[t][i] is x_scales[t * scale_token_stride + i * scale_stride]
+  int64_t scale_stride;
   const int64_t* topk_idx;          // [T, K] or nullptr (cached dispatch)
   const float* topk_weights;        // [T, K] or nullptr
   const int32_t* send_pos;          // [T, R]

@@ -22,6 +22,9 @@ inline void check_dispatch_args(const DispatchArgs& args) {
   EP_CHECK_ARG(args.send_chunk >= 1, "num_max_nvl_chunked_send_tokens must be >= 1");
   EP_CHECK_ARG(args.num_scales >= 0 && (args.num_scales == 0) == (args.x_scales == nullptr),
                "x_scales and num_scales disagree");
+  EP_CHECK_ARG(args.num_scales == 0 || (args.scale_token_stride > 0 && args.scale_stride > 0),
+               "x_scales strides must be positive, got (" << args.scale_token_stride << ", " << args.scale_stride
+                                                          << ")");
 }
 
 // Dynamic shared memory of a dispatch kernel's launch: the bulk copies' stages, with the kernel's limit
@@ -48,7 +51,8 @@ __device__ __forceinline__ int32_t local_expert_id(int64_t expert, int r, int nu
 
 // A token's FP8 scales: the first kEarlyScalesPerLane per lane are loaded before its row is copied, so
 // that their latency hides under the copy. Loaded after it, each 32 of them cost a memory round trip
-// of their own; an FP8 row (7 KB) is only two.
+// of their own; an FP8 row (7 KB) is only two. Scale i of a token is at scales[i * stride] (column-major
+// scales, as DeepGEMM writes them, are read in place).
 constexpr int kEarlyScalesPerLane = 4;
 
 // Scales [0, num_early) are loaded early: min(num_scales, 32 * kEarlyScalesPerLane).
@@ -57,27 +61,27 @@ __device__ __forceinline__ int early_scale_count(const DispatchArgs& a) {
 }
 
 template <Load kLoad>
-__device__ __forceinline__ void load_early_scales(const float* scales, int num_early,
+__device__ __forceinline__ void load_early_scales(const float* scales, int64_t stride, int num_early,
                                                   float (&early)[kEarlyScalesPerLane]) {
   const int lane = lane_id();
 #pragma unroll
   for (int k = 0; k < kEarlyScalesPerLane; ++k) {
     const int i = lane + 32 * k;
-    early[k] = i < num_early ? load_f32<kLoad>(scales + i) : 0.f;
+    early[k] = i < num_early ? load_f32<kLoad>(scales + i * stride) : 0.f;
   }
 }
 
 // Calls store(i, scale) for every scale i of the token this lane owns: the early ones from registers,
 // the others loaded now.
 template <Load kLoad, typename Store>
-__device__ __forceinline__ void for_each_scale(const float* scales, int num_scales, int num_early,
+__device__ __forceinline__ void for_each_scale(const float* scales, int64_t stride, int num_scales, int num_early,
                                                const float (&early)[kEarlyScalesPerLane], Store store) {
   const int lane = lane_id();
 #pragma unroll
   for (int k = 0; k < kEarlyScalesPerLane; ++k)
     if (lane + 32 * k < num_early) store(lane + 32 * k, early[k]);
   for (int i = lane + (num_early / 32) * 32; i < num_scales; i += 32)
-    if (i >= num_early) store(i, load_f32<kLoad>(scales + i));
+    if (i >= num_early) store(i, load_f32<kLoad>(scales + i * stride));
 }
 
 // Rows past the received count are padding when num_worst_tokens > 0: mark them unrouted.

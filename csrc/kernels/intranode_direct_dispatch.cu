@@ -147,9 +147,9 @@ struct TokenMetadata {
     has_topk = a.num_topk > 0 && lane < a.num_topk;
     expert = has_topk ? a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
     weight = has_topk && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
-    scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
+    scales = a.x_scales + static_cast<int64_t>(t) * a.scale_token_stride;
     num_early = early_scale_count(a);
-    load_early_scales<Load::kReadOnly>(scales, num_early, early_scales);
+    load_early_scales<Load::kReadOnly>(scales, a.scale_stride, num_early, early_scales);
   }
 
   // Lane r's `pos`: the token's row on rank r (-1: none); row_of[r] the same for every lane.
@@ -157,7 +157,8 @@ struct TokenMetadata {
                         const int (&row_of)[kMaxNvlPeers], uint32_t dst_mask) const {
     const int lane = lane_id();
     if (pos >= 0 && outputs[lane].src_idx != nullptr) outputs[lane].src_idx[pos] = t;
-    for_each_scale<Load::kReadOnly>(scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
+    for_each_scale<Load::kReadOnly>(scales, a.scale_stride, a.num_scales, num_early, early_scales,
+                                    [&](int i, float scale) {
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r)
         if (dst_mask >> r & 1u) outputs[r].scales[static_cast<int64_t>(row_of[r]) * a.num_scales + i] = scale;

@@ -102,17 +102,18 @@ __device__ void dispatch_sender(const DispatchArgs& a, const RingLayout& layout,
         dst[r] = r == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(self_row) * a.row_bytes
                              : remote + kSlotPayloadOffset;
     }
-    const float* token_scales = a.x_scales + static_cast<int64_t>(t) * a.num_scales;
+    const float* token_scales = a.x_scales + static_cast<int64_t>(t) * a.scale_token_stride;
     const int num_early = early_scale_count(a);
     float early_scales[kEarlyScalesPerLane];
-    load_early_scales<Load::kReadOnly>(token_scales, num_early, early_scales);
+    load_early_scales<Load::kReadOnly>(token_scales, a.scale_stride, num_early, early_scales);
     uint8_t* const lane_dst = pos < 0 || lane >= R ? nullptr
                               : lane == a.rank ? static_cast<uint8_t*>(a.recv_x) + static_cast<int64_t>(pos) * a.row_bytes
                                                : slot + kSlotPayloadOffset;
     rows.copy(a, t, round, dst, lane_dst, tokens);
 
     // Scales follow the row in a slot; for this rank they go to recv_x_scales.
-    for_each_scale<Load::kReadOnly>(token_scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
+    for_each_scale<Load::kReadOnly>(token_scales, a.scale_stride, a.num_scales, num_early, early_scales,
+                                    [&](int i, float scale) {
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r) {
         if (dst[r] == nullptr) continue;
@@ -180,9 +181,9 @@ __device__ void copy_slot_to_outputs(const DispatchArgs& a, const uint8_t* slot)
   const float* scales = reinterpret_cast<const float*>(slot + kSlotPayloadOffset + a.row_bytes);
   const int num_early = early_scale_count(a);
   float early_scales[kEarlyScalesPerLane];
-  load_early_scales<Load::kL2Only>(scales, num_early, early_scales);
+  load_early_scales<Load::kL2Only>(scales, 1, num_early, early_scales);  // a slot's scales are contiguous
   warp_copy_units<Load::kL2Only>(out_row, payload, a.row_bytes / 16);
-  for_each_scale<Load::kL2Only>(scales, a.num_scales, num_early, early_scales, [&](int i, float scale) {
+  for_each_scale<Load::kL2Only>(scales, 1, a.num_scales, num_early, early_scales, [&](int i, float scale) {
     a.recv_x_scales[static_cast<int64_t>(row) * a.num_scales + i] = scale;
   });
   if (a.num_topk > 0 && lane < a.num_topk) {

@@ -231,6 +231,7 @@ class InternodeMode(IntranodeMode):
     def _internode_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                             expert_alignment, num_worst_tokens, config: Config):
         self._check_sms(config)
+        x_scales = None if x_scales is None else x_scales.contiguous()  # the network leg reads rows of scales
         net = self._net
         R, L, N = self.info.num_ranks, self.info.ranks_per_node, self.info.num_nodes
         T, K = topk_idx.shape
@@ -355,6 +356,7 @@ class InternodeMode(IntranodeMode):
 
     def _internode_cached_dispatch(self, x, x_scales, handle: "InternodeHandle", config: Config):
         self._check_sms(config)
+        x_scales = None if x_scales is None else x_scales.contiguous()  # the network leg reads rows of scales
         net = self._net
         C, B, S = self._handle_network_geometry(handle, config)
         T, F = handle.num_tokens, handle.num_forward_rows

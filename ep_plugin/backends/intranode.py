@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..output_region import OutputRegion
+from ..output_region import OutputRegion, _from_dlpack
 from ..tuning import Config, output_region_bytes, staging_bytes
 from .native_common import NativeBase, _C, address_of, local_experts
 
@@ -204,6 +204,7 @@ class IntranodeMode(NativeBase):
         args.send_chunk = config.num_max_nvl_chunked_send_tokens
         args.num_tokens, args.row_bytes = x.size(0), x.size(1) * x.element_size()
         args.num_scales = 0 if x_scales is None else x_scales.size(1)
+        args.scale_token_stride, args.scale_stride = (0, 0) if x_scales is None else x_scales.stride()
         args.num_topk = 0 if topk_idx is None else topk_idx.size(1)
         args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
         args.x, args.x_scales = address_of(x), address_of(x_scales)
@@ -322,32 +323,29 @@ class PreparedDispatch:
                 self.blocks[index >= self._ROWS].append((index, max(width, 1) * dtype.itemsize, width > 0))
         if not self.blocks[1]:
             del self.blocks[1]
+        self.placed = [output for block in self.blocks for output in block]  # in the order of the capsules
 
     def launch(self, rows: int) -> List[Optional[torch.Tensor]]:
-        """Allocate the outputs of `rows` rows, launch the dispatch into them; the outputs (None where absent)."""
-        raw = None if self.region is None else self._region_bytes(rows)
-        outputs = raw if raw is not None else self._ordinary(rows)
-        args = self.args
+        """Place the outputs of `rows` rows, launch the dispatch into them; the outputs (None where absent)."""
+        if self.region is not None:
+            # One extension call places every output and sets its address; torch's tensors come after the launch.
+            capsules = self.region.place_direct_outputs(self.args, rows, self.blocks, self.stream)
+            if capsules is not None:
+                self.runtime.direct_dispatch(self.args, rows, True, self.stream)
+                return self._from_capsules(capsules)
+        outputs = self._ordinary(rows)
         for field, tensor in zip(self.fields, outputs):
-            setattr(args, field, address_of(tensor))
+            setattr(self.args, field, address_of(tensor))
         if self.region is None:
-            self.runtime.dispatch(args, self.stream)
-            return outputs
-        self.runtime.direct_dispatch(args, rows, raw is not None, self.stream)
-        if raw is None:
-            return outputs
-        return [None if tensor is None else tensor.view(column[1]) for tensor, column in zip(raw, self.columns)]
+            self.runtime.dispatch(self.args, self.stream)
+        else:  # no room here: every rank's direct kernel sees it and the rows go through the rings
+            self.runtime.direct_dispatch(self.args, rows, False, self.stream)
+        return outputs
 
-    def _region_bytes(self, rows: int) -> Optional[List[Optional[torch.Tensor]]]:
-        """uint8 outputs in the region (every block, or None when one has no room)."""
+    def _from_capsules(self, capsules: list) -> List[Optional[torch.Tensor]]:
         outputs: List[Optional[torch.Tensor]] = [None] * len(self.columns)
-        for block in self.blocks:
-            shapes = [[rows, row_bytes] if two_d else [rows * row_bytes] for _, row_bytes, two_d in block]
-            tensors = self.region.empty_bytes(shapes, self.stream)
-            if tensors is None:
-                return None  # the blocks already taken go back with their tensors
-            for (index, _, _), tensor in zip(block, tensors):
-                outputs[index] = tensor
+        for (index, _, _), capsule in zip(self.placed, capsules):
+            outputs[index] = _from_dlpack(capsule).view(self.columns[index][1])
         return outputs
 
     def _ordinary(self, rows: int) -> List[Optional[torch.Tensor]]:
