@@ -13,7 +13,9 @@ for ep_plugin and, where `deep_ep` is importable, DeepEP V1, each in its own lau
 (both start NVSHMEM), with and without torch.set_default_device("cuda") + set_default_dtype(bf16).
 "host" is the median host time of one call (perf_counter), "mean" its mean (a few stalled calls show
 there only); "wall" is the time of --iters calls
-back to back divided by --iters, with one synchronisation at the end (the larger of host and GPU).
+back to back divided by --iters, with one synchronisation at the end (the larger of host and GPU);
+"gpu" the GPU's time per call with the host ahead (calls queued behind a sleep; NaN where the host could
+not get ahead): where "wall" passes "gpu", the host sets the pace.
 `--repeat N` runs every configuration N times, every other time in reverse order (a row's time
 could owe to its place in the run rather than to its settings).
 
@@ -124,8 +126,27 @@ def _eager_times(step: Callable[[], None], iters: int) -> Dict[str, float]:
     for _ in range(iters):
         step()
     _synchronize()
-    return {"host": statistics.median(host), "host_mean": statistics.fmean(host),
-            "wall": (time.perf_counter() - begin) * 1e6 / iters}
+    wall = (time.perf_counter() - begin) * 1e6 / iters
+    return {"host": statistics.median(host), "host_mean": statistics.fmean(host), "wall": wall,
+            "gpu": _gpu_us(step)}
+
+
+def _gpu_us(step: Callable[[], None], calls: int = 100, sleep_cycles: int = 60_000_000) -> float:
+    """GPU time per call with the host ahead of the GPU: the stream sleeps (about 35 ms) while the host queues
+    `calls` calls, which then run back to back between two events. NaN where the host took longer than the
+    sleep to queue them (the GPU waited for it), or without a GPU."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    host_was_behind = start.query()  # the sleep ended before the host had queued every call
+    torch.cuda.synchronize()
+    return float("nan") if host_was_behind else start.elapsed_time(end) * 1e3 / calls
 
 
 def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, library: str,
@@ -184,7 +205,7 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
                 result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
                 label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
                 print(f"{label:45s} " + "  ".join(
-                    f"{name}: host {t['host']:.1f} (mean {t['host_mean']:.1f}) wall {t['wall']:.1f}"
+                    f"{name}: host {t['host']:.1f} (mean {t['host_mean']:.1f}) wall {t['wall']:.1f} gpu {t['gpu']:.1f}"
                     for name, t in result["times"].items()))
                 if repeat == 0:
                     profiles.append(result["profile"])  # rank 0's
