@@ -34,6 +34,7 @@ import time
 from typing import Callable, Dict, List
 
 import torch
+import torch.distributed as dist
 
 from ep_plugin import Buffer
 from ep_plugin.bench import random_routing
@@ -112,7 +113,7 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     return {"rank": rank, "host_us": host, "profile": report if rank == 0 else ""}
 
 
-def _eager_times(step: Callable[[], None], iters: int) -> Dict[str, float]:
+def _eager_times(step: Callable[[], None], iters: int, group) -> Dict[str, float]:
     for _ in range(20):  # warm-up
         step()
     _synchronize()
@@ -128,15 +129,17 @@ def _eager_times(step: Callable[[], None], iters: int) -> Dict[str, float]:
     _synchronize()
     wall = (time.perf_counter() - begin) * 1e6 / iters
     return {"host": statistics.median(host), "host_mean": statistics.fmean(host), "wall": wall,
-            "gpu": _gpu_us(step)}
+            "gpu": _gpu_us(step, group)}
 
 
-def _gpu_us(step: Callable[[], None], calls: int = 100, sleep_cycles: int = 60_000_000) -> float:
+def _gpu_us(step: Callable[[], None], group, calls: int = 100, sleep_cycles: int = 60_000_000) -> float:
     """GPU time per call with the host ahead of the GPU: the stream sleeps (about 35 ms) while the host queues
     `calls` calls, which then run back to back between two events. NaN where the host took longer than the
     sleep to queue them (the GPU waited for it), or without a GPU."""
     if not torch.cuda.is_available():
         return float("nan")
+    # Every rank's sleep starts together: a rank whose GPU wakes first would time its wait for the others.
+    dist.barrier(group=group)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(sleep_cycles)
@@ -176,8 +179,8 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
         ll.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
 
     times = {"get_dispatch_layout": _eager_times(lambda: normal.get_dispatch_layout(topk_idx, args.experts),
-                                                 args.iters),
-             "ll_dispatch+combine": _eager_times(ll_pair, args.iters)}
+                                                 args.iters, group),
+             "ll_dispatch+combine": _eager_times(ll_pair, args.iters, group)}
     # Where an ep_plugin pair's host time goes, with and without the global defaults (every rank makes the
     # calls, rank 0 reports).
     profile = ""
