@@ -417,6 +417,13 @@ def _combine_path(buf) -> str:
     return "" if backend is None else getattr(backend, "last_combine_path", "") or buf.backend_name
 
 
+def _op_path(buf, op: str) -> str:
+    """The path of a normal-mode op's last call ("" for the layout and for DeepEP's Buffer)."""
+    if op.startswith("dispatch"):
+        return _dispatch_path(buf)
+    return _combine_path(buf) if op.startswith("combine") else ""
+
+
 def summarize(times_us: List[float]) -> Dict[str, float]:
     ordered = sorted(times_us)
 
@@ -618,10 +625,11 @@ def _time_normal(calls: NormalCalls, timer: Timer, group, s: BenchSettings, fp8_
         "combine": (lambda: calls.combine(combine_x, latest["handle"], latest["weights"]), before_combine),
         "combine_without_weights": (lambda: calls.combine(combine_x, latest["handle"], None), before_combine),
     }
-    times = {}
+    times, paths = {}, {}
     for name in progress.steps(f"warm-up and timing, {label} ({s.warmup} + {s.iters} calls each)", list(steps)):
         fn, before = steps[name]
         times[name] = timer.run(fn, group, s.warmup, s.iters, before)
+        paths[name] = _op_path(calls.buffer, name)  # the path of this op's last call
     num_recv = rows.size(0)
     own = int(calls.layout()[0][dist.get_rank(group)])  # this rank's tokens to itself
     dispatch_bytes = s.hidden * (1 if s.dtype == "fp8" else 2) + (4 * (s.hidden // 128) if s.dtype == "fp8" else 0)
@@ -633,8 +641,8 @@ def _time_normal(calls: NormalCalls, timer: Timer, group, s: BenchSettings, fp8_
         ops[name] = dict(times_us=t.gpu_us, host_us=t.host_us,
                          recv_bytes=None if per_token is None else num_recv * per_token,
                          link_bytes=None if per_token is None else (num_recv - own) * per_token)
-    ops["dispatch_cached"]["path"] = _dispatch_path(calls.buffer)
-    ops["combine"]["path"] = _combine_path(calls.buffer)
+        if paths[name]:
+            ops[name]["path"] = paths[name]
     return ops
 
 

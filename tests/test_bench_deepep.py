@@ -56,6 +56,9 @@ def test_deepep_runs_beside_ours_checked_with_its_ratio(tmp_path, capsys, deep_e
         assert op["vs_deepep"] == pytest.approx(op["deepep"]["median_us"] / op["median_us"])
         assert (op["deepep"]["algo_gbps"] is None) is (op["algo_gbps"] is None)  # layout moves no payload
         assert op["deepep"]["algo_gbps"] is None or op["deepep"]["algo_gbps"] > 0
+    if mode == "normal":  # each dispatch and combine op names the path of its own calls
+        assert {name: op.get("path") for name, op in ours.items()} == {
+            name: None if name == "layout" else result["backend"] for name in ours}
     table = capsys.readouterr().out
     assert "DeepEP us" in table and "vs DeepEP" in table
     assert "verified against the reference backend: yes" in table
