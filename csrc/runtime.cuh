@@ -108,10 +108,17 @@ class IntranodeRuntime {
   // queued before it (copies into peers included: the write is ordered behind them, as a system-wide
   // fence would).
   void write_word(uint64_t* address, uint64_t value, cudaStream_t stream);
-  // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine).
-  // Its rows are args.send_rows[owner] rows of x from args.send_first[owner] on.
-  void copy_rows_to_owner(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
-                          int owner, cudaStream_t stream);
+  // The copy-engine combine's sender side for one owner, on `stream` (see staged_combine): its rows
+  // are args.send_rows[owner] rows of x from args.send_first[owner] on. The first round fills every
+  // slot of the owner's staging area and returns the rows it copied; the later pieces follow `done`
+  // rows, one slot at a time, each after the owner has freed it.
+  int64_t copy_first_round(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                           int owner, cudaStream_t stream);
+  void copy_later_pieces(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout, int owner,
+                         int64_t done, cudaStream_t stream);
+  // `count` rows from row `done` of the owner's rows into staging slot `slot`, then their landed word.
+  void copy_piece(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout, int owner,
+                  int64_t done, int slot, int64_t count, cudaStream_t stream);
   // On each owner's copy stream, after this combine's copies: a wait for the owner's release of `epoch`.
   void wait_for_releases(uint32_t epoch);
   // The owner's reduction on `side`, after the combine's fork; join_ marks its end.

@@ -9,6 +9,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "common/binding.h"
 #include "common/exception.cuh"
@@ -88,19 +89,27 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   // NOTE: one stream per owner: a sender that waits for one owner to free a slot must not hold back
   // its rows for another owner, which may need them to free its own slots.
   CUDA_CHECK(cudaEventRecord(fork_, stream));
-  // NOTE: the copies are queued before the reduction is launched: the critical path is the copy, and
-  // the reduction has nothing to sum before its first rows land (a launch before the copies held them
-  // back by about 7 us).
+  // NOTE: the first round of copies is queued before the reduction is launched: the critical path is
+  // the copy, and the reduction has nothing to sum before its first rows land (a launch before the
+  // copies held them back by about 7 us). The pieces that wait for a freed slot are queued after the
+  // launch: where streams share a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, or more streams than
+  // queues), a waiting piece ahead of the reduction would hold it back, and the owner waits for the
+  // reduction's words to free the slot.
+  std::vector<int64_t> rows_copied(R, 0);
   for (int r = 0; r < R; ++r) {
     if (r == rank_) continue;
     CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
-    copy_rows_to_owner(args, layout, r, copy_streams_[r]);
+    rows_copied[r] = copy_first_round(args, layout, r, copy_streams_[r]);
+  }
+  launch_reduction(args, request.num_sms, side);
+  for (int r = 0; r < R; ++r) {
+    if (r == rank_) continue;
+    copy_later_pieces(args, layout, r, rows_copied[r], copy_streams_[r]);
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
     // NOTE: the caller need not wait for the landed words: they touch only the owner's header, and the
     // next writes to it queue behind them on the same signal stream (no graph captures this combine).
   }
-  launch_reduction(args, request.num_sms, side);
   wait_for_releases(args.epoch);
   CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   // NOTE: queued last, so that nothing the host might block on stands before the copies the
@@ -108,46 +117,56 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   release_staging(args, layout, side);
 }
 
-void IntranodeRuntime::copy_rows_to_owner(const intranode::StagedReduceArgs& args,
-                                          const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
-  using intranode::staged_word;
+int64_t IntranodeRuntime::copy_first_round(const intranode::StagedReduceArgs& args,
+                                            const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
   auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
-  const uint32_t epoch = args.epoch;
-  const int64_t first = args.send_first[owner], rows = args.send_rows[owner];
   // The owner must have finished reading the previous combine's staging area and words (unless the
   // previous combine's copy stream already waited for that); the reduction kernel tells it where this
   // combine's block is.
-  if (released_epoch_waited_[owner] != epoch - 1)
-    wait_for_owner(&mine->staged_released[owner], epoch - 1, owner, -1, stream);
+  if (released_epoch_waited_[owner] != args.epoch - 1)
+    wait_for_owner(&mine->staged_released[owner], args.epoch - 1, owner, -1, stream);
+  // Every slot is free and summed as it lands: one copy.
+  const int64_t first_round_rows = static_cast<int64_t>(layout.num_slots) * layout.rows_per_piece;
+  const int64_t rows = std::min<int64_t>(first_round_rows, args.send_rows[owner]);
+  copy_piece(args, layout, owner, 0, 0, rows, stream);
+  return rows;
+}
 
-  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
-  const bool has_weights = args.topk_weights != nullptr && args.num_topk > 0;
-  // Weights that fit whole are stored by the reduction kernel; the others go with each piece.
-  const bool weights_whole = layout.weights_fit_whole(rows, args.num_topk);
-  const int64_t row_bytes = 2LL * args.hidden;
-  const int64_t rows_per_piece = layout.rows_per_piece;
-  for (int64_t piece = 0, done = 0; done < rows;) {
+void IntranodeRuntime::copy_later_pieces(const intranode::StagedReduceArgs& args,
+                                         const intranode::StagingLayout& layout, int owner, int64_t done,
+                                         cudaStream_t stream) {
+  using intranode::staged_word;
+  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
+  const int64_t rows = args.send_rows[owner];
+  // One piece per copy, each after the owner has summed its slot's previous piece.
+  for (int64_t piece = layout.num_slots; done < rows; ++piece) {
     const int slot = static_cast<int>(piece % layout.num_slots);
-    if (piece >= layout.num_slots)  // the owner must have summed the slot's previous piece
-      wait_for_owner(&mine->staged_freed[owner][slot],
-                     staged_word(epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
-    // The first round of slots (free, and summed as it lands) in one copy; later pieces one per copy,
-    // each after its slot is freed.
-    const int64_t pieces = piece < layout.num_slots ? layout.num_slots - piece : 1;
-    const int64_t count = std::min(pieces * rows_per_piece, rows - done);
-    piece += pieces;
-    const int64_t row = first + done;
-    const int64_t staged = static_cast<int64_t>(slot) * rows_per_piece;
-    CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
-                               count * row_bytes, cudaMemcpyDeviceToDevice, stream));
-    if (has_weights && !weights_whole)
-      CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
-                                 args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
-                                 cudaMemcpyDeviceToDevice, stream));
+    wait_for_owner(&mine->staged_freed[owner][slot],
+                   staged_word(args.epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
+    const int64_t count = std::min<int64_t>(layout.rows_per_piece, rows - done);
+    copy_piece(args, layout, owner, done, slot, count, stream);
     done += count;
-    // Copies land in order on this one stream: the owner counts the rows landed.
-    signal_landed(owner, staged_word(epoch, static_cast<uint32_t>(done)), stream);
   }
+}
+
+void IntranodeRuntime::copy_piece(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
+                                  int owner, int64_t done, int slot, int64_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
+  // Weights that fit whole are stored by the reduction kernel; the others go with each piece.
+  const bool weights_per_piece = args.topk_weights != nullptr && args.num_topk > 0 &&
+                                 !layout.weights_fit_whole(args.send_rows[owner], args.num_topk);
+  const int64_t row_bytes = 2LL * args.hidden;
+  const int64_t row = args.send_first[owner] + done;
+  const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
+  CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
+                             count * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  if (weights_per_piece)
+    CUDA_CHECK(cudaMemcpyAsync(region + layout.weights_offset(staged, args.num_topk),
+                               args.topk_weights + row * args.num_topk, count * args.num_topk * 4,
+                               cudaMemcpyDeviceToDevice, stream));
+  // Copies land in order on this one stream: the owner counts the rows landed.
+  signal_landed(owner, intranode::staged_word(args.epoch, static_cast<uint32_t>(done + count)), stream);
 }
 
 
