@@ -2,7 +2,9 @@
 
 The extension's core is framework-free CUDA (csrc/kernels, csrc/runtime.cu) compiled by nvcc; the
 pybind11 binding (csrc/python_api.cpp) is compiled by the host compiler; everything links against
-the static CUDA runtime, so the module does not depend on a particular PyTorch build.
+the static CUDA runtime, so the module does not depend on a particular PyTorch build. Beside it,
+`ep_plugin._C_torch` (csrc/torch_outputs.cpp: the outputs, allocated by torch from C++) is built by
+the installed torch's own BuildExtension, so it matches that torch: rebuild after upgrading torch.
 
 Environment:
     CUDA_HOME / CUDA_PATH      CUDA toolkit (else the directory of `nvcc` on PATH, else /usr/local/cuda)
@@ -129,8 +131,14 @@ class NvshmemExtension(CudaExtension):
         self.nvshmem_include, self.nvshmem_lib, self.nvshmem_host = nvshmem
 
 
+class TorchExtension(Extension):
+    """A C++ extension against the installed torch (its headers, libraries, ABI and pybind11 flags)."""
+
+
 class NvccBuildExt(build_ext):
     def build_extension(self, ext: Extension) -> None:
+        if isinstance(ext, TorchExtension):
+            return self.build_with_torch(ext)
         if not isinstance(ext, CudaExtension):
             return super().build_extension(ext)
         cuda_home = find_cuda_home()
@@ -201,6 +209,37 @@ class NvccBuildExt(build_ext):
         note(f"built {ext.name} in {time.monotonic() - started:.0f} s")
 
 
+    def build_with_torch(self, ext: Extension) -> None:
+        """Builds `ext` with torch's BuildExtension, into the same place as the others: it adds the flags
+        that must match the installed torch (C++ standard, C++ ABI, pybind11's ABI ids)."""
+        from torch.utils.cpp_extension import BuildExtension
+
+        started = time.monotonic()
+        torch_build = BuildExtension(self.distribution, use_ninja=False)
+        for option in ("build_lib", "build_temp", "plat_name", "debug", "force"):
+            setattr(torch_build, option, getattr(self, option))
+        torch_build.inplace = 0  # this command copies every extension into the source tree where asked
+        torch_build.finalize_options()
+        torch_build.extensions = [ext]
+        torch_build.run()
+        BUILD_OUTCOMES[ext.name] = "built"
+        note(f"built {ext.name} in {time.monotonic() - started:.0f} s")
+
+
+def torch_extension() -> list[Extension]:
+    """`ep_plugin._C_torch`, which the native backend allocates its outputs with."""
+    try:
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError as error:
+        return skipped(["ep_plugin._C_torch"], f"torch is not importable at build time ({error}); install torch "
+                       "first and build with --no-build-isolation")
+    # torch's include and library lists, on an extension of our class (build_extension tells it by that).
+    made = CppExtension("ep_plugin._C_torch", sources=["csrc/torch_outputs.cpp"], extra_compile_args=["-O3"])
+    return [TorchExtension(made.name, made.sources, include_dirs=made.include_dirs, library_dirs=made.library_dirs,
+                           libraries=made.libraries, language=made.language,
+                           extra_compile_args=made.extra_compile_args)]
+
+
 def integration_packages() -> list[str]:
     """Sub-packages of integrations/ (megatron, vllm, ...), shipped as ep_plugin.integrations.<name>."""
     return sorted(p.parent.relative_to(ROOT / "integrations").as_posix().replace("/", ".")
@@ -208,17 +247,18 @@ def integration_packages() -> list[str]:
 
 
 def extensions() -> list[Extension]:
+    native = ["ep_plugin._C", "ep_plugin._C_nvshmem", "ep_plugin._C_torch"]
     if os.environ.get("EP_PLUGIN_SKIP_CUDA") == "1":
-        return skipped(["ep_plugin._C", "ep_plugin._C_nvshmem"], "EP_PLUGIN_SKIP_CUDA=1: the pure-Python package only")
+        return skipped(native, "EP_PLUGIN_SKIP_CUDA=1: the pure-Python package only")
     if find_cuda_home() is None:
-        return skipped(["ep_plugin._C", "ep_plugin._C_nvshmem"],
+        return skipped(native,
                        "no CUDA toolkit found (nvcc; set CUDA_HOME): the reference backend works, the native "
                        "kernels are not built")
     # Low-latency and internode kernels need NVSHMEM: they go into ep_plugin._C_nvshmem, never into ep_plugin._C.
     kernels = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "kernels").glob("*.cu"))
     sources = [s for s in kernels if not Path(s).name.startswith(NVSHMEM_KERNEL_PREFIXES)]
     sources += ["csrc/runtime.cu", "csrc/staged_combine.cu", "csrc/output_region.cpp", "csrc/python_api.cpp"]
-    return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels)]
+    return [CudaExtension("ep_plugin._C", sources=sources), *nvshmem_extensions(kernels), *torch_extension()]
 
 
 def skipped(names: list[str], why: str) -> list[Extension]:

@@ -1063,7 +1063,8 @@ def format_table(run: dict) -> str:
 def built_extensions() -> Dict[str, str]:
     """Each native extension: 'built', or 'not built: why' (its import error)."""
     status = {}
-    for name, purpose in (("_C", "normal-mode kernels"), ("_C_nvshmem", "low-latency and internode kernels")):
+    for name, purpose in (("_C", "normal-mode kernels"), ("_C_nvshmem", "low-latency and internode kernels"),
+                          ("_C_torch", "outputs allocated by torch from C++, for both")):
         try:
             importlib.import_module(f"ep_plugin.{name}")
             status[name] = f"built ({purpose})"

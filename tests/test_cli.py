@@ -51,7 +51,7 @@ def test_bench_writes_a_checked_report(tmp_path, mode, dtype):
     report = run_bench(tmp_path, "--mode", mode, "--dtype", dtype, *SMALL)
     assert report["scaled_down_for_cpu"] is False  # every size was given
     assert report["command"].startswith("ep-plugin bench")
-    assert report["date"] and report["timing"] and set(report["extensions"]) == {"_C", "_C_nvshmem"}
+    assert report["date"] and report["timing"] and set(report["extensions"]) == {"_C", "_C_nvshmem", "_C_torch"}
     (run,) = report["runs"]
     assert run["checked"] is True and run["num_ranks"] == 2
     if not ON_GPU:

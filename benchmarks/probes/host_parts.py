@@ -4,8 +4,8 @@ The whole call and each piece of it, on rank 0 of 2, with DeepEP V1's calls besi
 importable (in a launch of its own: both libraries start NVSHMEM). 128 tokens, top-8 of 256 experts, as
 profile_host.py --eager.
 
---op layout: `get_dispatch_layout`: the whole call, the backend's, its allocations, a view, the binding call,
-a launch.
+--op layout: `get_dispatch_layout`: the whole call, the backend's, its allocations (alone, and as the backend
+makes them: one OutputGroup), a view, the binding call, a launch.
 --op ll_pair: an FP8 `low_latency_dispatch` (hidden 7168) + `low_latency_combine` pair: the pair, each call
 (its partner run untimed), the backend's calls (without Buffer's checks and `_run`), Buffer's checks, `_run`,
 each allocation, the Args (a fresh struct with
@@ -88,6 +88,8 @@ def layout_pieces(lib, group, device, topk_idx) -> Tuple[object, Dict[str, Piece
         "backend.get_dispatch_layout": Piece(lambda: backend.get_dispatch_layout(topk_idx, EXPERTS)),
         f"torch.empty int32[{EXPERTS}]": Piece(lambda: torch.empty(EXPERTS, dtype=torch.int32, device=device)),
         f"torch.empty bool[{TOKENS},{R}]": Piece(lambda: torch.empty(TOKENS, R, dtype=torch.bool, device=device)),
+        "the 3 outputs, one OutputGroup.empty": Piece(lambda: backend._output_group(
+            ((R,), None, torch.int32), ((EXPERTS,), None, torch.int32), ((-1, R), None, torch.bool)).empty(TOKENS)),
         "a slice": Piece(lambda: per_expert[:EXPERTS // 2]),
         "_C.get_dispatch_layout": Piece(lambda: _C.get_dispatch_layout(
             topk_idx.data_ptr(), TOKENS, TOPK, EXPERTS, R, R, per_rank.data_ptr(), 0, per_expert.data_ptr(),
@@ -210,6 +212,8 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
             torch.empty(num_local, R, dtype=torch.int64, device=device))),
         f"torch.empty bf16 combine out [{TOKENS},{HIDDEN}]": Piece(
             lambda: torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)),
+        "the dispatch's 5 outputs, one OutputGroup.empty": Piece(plan.dispatch_outputs.empty),
+        "the combine's output, OutputGroup.empty": Piece(lambda: plan.combine_output.empty(TOKENS)),
         "DispatchArgs: a fresh one, every field": Piece(lambda: fill_dispatch_args(plan.new_dispatch_args())),
         "DispatchArgs: the plan's, per-call fields": Piece(lambda: fill_dispatch_args(plan.dispatch_args)),
         "CombineArgs: a fresh one, every field": Piece(lambda: fill_combine_args(plan.new_combine_args())),

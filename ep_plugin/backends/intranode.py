@@ -115,13 +115,17 @@ class IntranodeMode(NativeBase):
             self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
         info = self.info
-        R, device = info.num_ranks, info.device
-        # NOTE: one torch.empty per output, no views of a shared one, and the kernel by position: the
-        # fewest Python operations (host time of an eager call). The kernel writes every entry.
-        per_rank = torch.empty(R, dtype=torch.int32, device=device)
-        per_node = None if info.is_intranode else torch.empty(info.num_nodes, dtype=torch.int32, device=device)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
-        in_rank = torch.empty(T, R, dtype=torch.bool, device=device)
+        R = info.num_ranks
+        # NOTE: the outputs in one binding call, and the kernel by position: the fewest Python operations
+        # (host time of an eager call). The kernel writes every entry.
+        if info.is_intranode:
+            per_rank, per_expert, in_rank = self._output_group(
+                ((R,), None, torch.int32), ((num_experts,), None, torch.int32), ((-1, R), None, torch.bool)).empty(T)
+            per_node = None
+        else:
+            per_rank, per_node, per_expert, in_rank = self._output_group(
+                ((R,), None, torch.int32), ((info.num_nodes,), None, torch.int32), ((num_experts,), None, torch.int32),
+                ((-1, R), None, torch.bool)).empty(T)
         _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, info.ranks_per_node, per_rank.data_ptr(),
                                0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
                                in_rank.data_ptr(), self._stream())
@@ -235,8 +239,12 @@ class IntranodeMode(NativeBase):
     def _intranode_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
         self._check_sms(config)
         T = handle.num_tokens
-        combined_x = self._empty(T, x.size(1), dtype=torch.bfloat16)
-        combined_weights = None if topk_weights is None else self._empty(T, topk_weights.size(1), dtype=torch.float32)
+        if topk_weights is None:
+            combined_x, = self._output_group(((-1, x.size(1)), None, torch.bfloat16)).empty(T)
+            combined_weights = None
+        else:
+            combined_x, combined_weights = self._output_group(
+                ((-1, x.size(1)), None, torch.bfloat16), ((-1, topk_weights.size(1)), None, torch.float32)).empty(T)
         if self._copy_engine_combine_possible(handle, x.size(1)):
             self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
             self.last_combine_path = "copy_engine"

@@ -60,6 +60,12 @@ class LowLatencyPlan:
         self.scales_strides = (width * num_slots, 1, num_slots)
         self.scales_dtype = torch.int32 if use_ue8m0 else torch.float32
         self.layout_shape, self.src_info_shape = (num_local, R), (num_local, num_slots)
+        # A dispatch's outputs: the rows, their scales (FP8), the count, src_info and layout per expert.
+        scales = [(self.scales_shape, self.scales_strides, self.scales_dtype)] if use_fp8 else []
+        self.dispatch_outputs = backend._output_group(
+            (self.recv_shape, None, self.recv_dtype), *scales, ((num_local,), None, torch.int32),
+            (self.src_info_shape, None, torch.int32), (self.layout_shape, None, torch.int64))
+        self.combine_output = backend._output_group(((-1, hidden), None, torch.bfloat16))
         # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
         # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
         self.expert_sums = with_weights and backend._low_latency().supports_expert_sums(
@@ -223,19 +229,12 @@ class LowLatencyMode(NativeBase):
         T, K = topk_idx.shape
         plan = self._ll_plan((num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, K, use_fp8, round_scale,
                               use_ue8m0, topk_weights is not None))
-        device = self.info.device
-        # NOTE: sizes as separate ints: torch parses them faster than one tuple.
-        data = torch.empty(*plan.recv_shape, dtype=plan.recv_dtype, device=device)
         if use_fp8:
-            scales = torch.empty_strided(plan.scales_shape, plan.scales_strides, dtype=plan.scales_dtype,
-                                         device=device)
+            data, scales, recv_count, recv_src_info, recv_layout = plan.dispatch_outputs.empty()
             recv_x = (data, scales)
         else:
-            scales = None
-            recv_x = data
-        recv_count = torch.empty(plan.recv_shape[0], dtype=torch.int32, device=device)
-        recv_src_info = torch.empty(*plan.src_info_shape, dtype=torch.int32, device=device)
-        recv_layout = torch.empty(*plan.layout_shape, dtype=torch.int64, device=device)
+            data, recv_count, recv_src_info, recv_layout = plan.dispatch_outputs.empty()
+            recv_x, scales = data, None
 
         # A hook launches later, with the Args of its own call: it gets Args of its own.
         args = plan.new_dispatch_args() if return_recv_hook else plan.dispatch_args
@@ -287,8 +286,7 @@ class LowLatencyMode(NativeBase):
         # asks CUDA for the pointer's device, which a graph capture need not allow.
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        combined = out if out is not None else torch.empty(T, plan.hidden, dtype=torch.bfloat16,
-                                                           device=self.info.device)
+        combined = out if out is not None else plan.combine_output.empty(T)[0]
         # A hook launches later, with the Args of its own call: it gets Args of its own.
         args = plan.new_combine_args() if return_recv_hook else plan.combine_args
         args.x, args.recv_src_info, args.recv_layout = (x.data_ptr(), handle.recv_src_info.data_ptr(),
