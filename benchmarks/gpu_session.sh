@@ -66,7 +66,7 @@ SUITE_A="tests/test_native_intranode.py tests/test_cli.py tests/test_permute.py 
   tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py"
 SUITE_B="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_layout.py
   tests/test_output_region.py tests/test_native_internode.py tests/test_megatron_gpu.py
-  tests/test_megatron_integration.py tests/test_torch_grouped_experts.py"
+  tests/test_megatron_integration.py tests/test_torch_grouped_experts.py tests/test_torch_outputs.py"
 SUITE_4="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_internode.py"
 
 suite_pass() {  # suite_pass NAME GPUS FILES...: pytest to the end on those GPUs (all if GPUS is empty)

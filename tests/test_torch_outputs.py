@@ -56,3 +56,11 @@ def test_bad_specs_are_refused(specs, message):
 def test_negative_rows_are_refused():
     with pytest.raises(RuntimeError, match="rows = -1"):
         _C_torch.output_group([((-1,), None, torch.int32)], CPU).empty(-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch's CUDA caching allocator)")
+def test_a_cuda_allocation_too_large_raises_torchs_out_of_memory_error():
+    group = _C_torch.output_group([((-1,), None, torch.float32)], torch.device("cuda", 0))
+    with pytest.raises(torch.OutOfMemoryError):
+        group.empty(1 << 45)  # 128 TiB
+    assert group.empty(4)[0].device == torch.device("cuda", 0)
