@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, benchmarks; the summary is printed last.
-# Usage: STAGES="build tests bench" bash benchmarks/gpu_session.sh   (logs, results.tgz and summary.txt under $OUT)
+# Usage: STAGES="build tests bench" bash benchmarks/gpu_session.sh   (results.tgz: logs and JSONs; summary.txt; under $OUT)
 #
 # Stages (run in the order given):
 #   build      pip install -e . (both extensions); GPU names and topology into build.log
@@ -221,9 +221,10 @@ for s in $STAGES; do
   esac
 done
 
-tar -czf "$OUT/results.tgz" -C "$OUT" results_dir 2>/dev/null && rm -rf "$OUT/results_dir"
 echo "===== tail of logs ====="
 for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -25 "$f"; }; done
 echo "===== summary ====="
 cat "$summary"
 grep -h -A12 "^ep_plugin bench" "$OUT/bench.log" 2>/dev/null | grep -v "^--$" | head -80
+# NOTE: the device tool brings back at most 8 files from $OUT: the logs and results travel as one archive.
+(cd "$OUT" && { logs=$(ls ./*.log 2>/dev/null); tar -czf results.tgz results_dir $logs && rm -rf results_dir $logs; })
