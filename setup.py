@@ -208,7 +208,6 @@ class NvccBuildExt(build_ext):
         BUILD_OUTCOMES[ext.name] = "built"
         note(f"built {ext.name} in {time.monotonic() - started:.0f} s")
 
-
     def build_with_torch(self, ext: Extension) -> None:
         """Builds `ext` with torch's BuildExtension, into the same place as the others: it adds the flags
         that must match the installed torch (C++ standard, C++ ABI, pybind11's ABI ids)."""
