@@ -229,9 +229,11 @@ def torch_extension() -> list[Extension]:
     """`ep_plugin._C_torch`, which the native backend allocates its outputs with."""
     try:
         from torch.utils.cpp_extension import CppExtension
-    except ImportError as error:
-        return skipped(["ep_plugin._C_torch"], f"torch is not importable at build time ({error}); install torch "
-                       "first and build with --no-build-isolation")
+    except ImportError as error:  # the kernels alone would be no use: the native backend allocates through it
+        raise SystemExit(f"ep_plugin: torch is not importable in this build ({error}), and the native backend "
+                         "needs ep_plugin._C_torch, built against the installed torch. Install torch first, then "
+                         "`pip install --no-build-isolation .` (or EP_PLUGIN_SKIP_CUDA=1 for the pure-Python "
+                         "package)") from error
     # torch's include and library lists, on an extension of our class (build_extension tells it by that).
     made = CppExtension("ep_plugin._C_torch", sources=["csrc/torch_outputs.cpp"], extra_compile_args=["-O3"])
     return [TorchExtension(made.name, made.sources, include_dirs=made.include_dirs, library_dirs=made.library_dirs,

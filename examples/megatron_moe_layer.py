@@ -27,7 +27,8 @@ def import_ep_plugin():
     import ep_plugin
     if getattr(ep_plugin, "__file__", None) is None:  # a namespace package: a folder without __init__.py
         sys.exit(f"`import ep_plugin` found the folder {list(ep_plugin.__path__)[0]}, not the package: run this "
-                 "script from another directory, or install ep_plugin (pip install .) and rename the clone")
+                 "script from another directory, or install ep_plugin (pip install --no-build-isolation .) and "
+                 "rename the clone")
     return ep_plugin
 
 
