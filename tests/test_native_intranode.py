@@ -119,7 +119,6 @@ def test_cases_multi_rank_other_combine_paths(combine_staging_tokens, names):
     assert parallel_launch(RANKS, cases_rank, in_order, combine_staging_tokens) == [in_order] * RANKS
 
 
-
 # Megatron and SGLang launch with CUDA_DEVICE_MAX_CONNECTIONS=1: every stream of a rank shares one
 # hardware queue, in order. The copy-engine combine's pieces that wait for an owner's freed slot must
 # not hold back the reduction that frees the owner's slots (a deadlock, then EpTimeoutError).
@@ -128,6 +127,7 @@ def test_copy_engine_combine_with_one_hardware_queue(monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # the spawned ranks inherit it
     in_order = [c["name"] for c in CASES if c["name"] in WRAPPING_STAGING_CASES]
     assert parallel_launch(RANKS, cases_rank, in_order, 1024) == [in_order] * RANKS
+
 
 # The direct dispatch: every rank's outputs in its output region, written by the senders themselves.
 # The region holds the outputs a case keeps alive at once (a dispatch, its handle and a cached
