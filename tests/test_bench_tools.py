@@ -86,4 +86,4 @@ def test_host_parts_pieces_run_on_stand_in_kernels(op, global_defaults):
     pytest.importorskip("ep_plugin._C_nvshmem", reason="ep_plugin._C_nvshmem is not built here")
     lines = parallel_launch(2, host_parts_worker, op, global_defaults, backend="gloo",
                             timeout_s=120)[0].splitlines()
-    assert all("p50" in line for line in lines) and len(lines) == (8 if op == "layout" else 20), lines
+    assert all("p50" in line for line in lines) and len(lines) == (9 if op == "layout" else 21), lines

@@ -1,29 +1,74 @@
-"""`ep_plugin._C_torch.OutputGroup`: a native call's outputs in one binding call (CPU; the same code
-allocates on the GPU through torch's caching allocator)."""
+"""`ep_plugin._C_torch`'s OutputGroup, as the native backend uses it (native_common.output_group): a call's
+outputs in one binding call, a block's outputs in one allocation, failures raised in Python (CPU; the same
+code allocates on the GPU through torch's caching allocator)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-_C_torch = pytest.importorskip("ep_plugin._C_torch", reason="ep_plugin._C_torch is built with the CUDA extensions")
+pytest.importorskip("ep_plugin._C_torch", reason="ep_plugin._C_torch is built with the CUDA extensions")
+from ep_plugin.backends.native_common import output_group  # noqa: E402
 
 CPU = torch.device("cpu")
+SPECS = [((4, -1), None, torch.int32), ((2, 3), (1, 2), torch.float32), ((-1,), None, torch.bool),
+         ((3, 5, 7), None, torch.float8_e4m3fn)]
 
 
-def test_shapes_strides_and_dtypes_with_rows_filled_in():
-    group = _C_torch.output_group([((4, -1), None, torch.int32), ((2, 3), (1, 2), torch.float32),
-                                  ((-1,), None, torch.bool), ((3, 5, 7), None, torch.float8_e4m3fn)], CPU)
-    a, b, c, d = group.empty(6)
+def alone(specs):
+    """One block per spec: an allocation each."""
+    return [[spec] for spec in specs]
+
+
+def check_specs_shapes(outputs):
+    a, b, c, d = outputs
     assert (a.shape, a.stride(), a.dtype) == ((4, 6), (6, 1), torch.int32)
     assert (b.shape, b.stride(), b.dtype) == ((2, 3), (1, 2), torch.float32)
-    assert (c.shape, c.dtype) == ((6,), torch.bool)
+    assert (c.shape, c.stride(), c.dtype) == ((6,), (1,), torch.bool)
     assert (d.shape, d.dtype, d.is_contiguous()) == ((3, 5, 7), torch.float8_e4m3fn, True)
-    assert all(t.device == CPU for t in (a, b, c, d))
+    assert all(t.device == CPU and t.requires_grad is False for t in outputs)
+
+
+@pytest.mark.parametrize("blocks", [alone(SPECS), [SPECS], [SPECS[:2], SPECS[2:]]], ids=["alone", "shared", "two"])
+def test_shapes_strides_and_dtypes_with_rows_filled_in(blocks):
+    group = output_group(blocks, CPU)
+    check_specs_shapes(group.empty(6))
     assert group.empty(0)[0].shape == (4, 0)
 
 
+def byte_range(tensor):
+    """[first byte, one past the last byte) of the memory `tensor` covers."""
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else -1
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def as_bytes_or_self(tensor):
+    """One-byte types as bytes (so that any small value can be written and read back)."""
+    return tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.bool) else tensor
+
+
+def test_a_block_shares_one_allocation_without_overlap():
+    outputs = output_group([SPECS], CPU).empty(6)
+    base = outputs[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in outputs)
+    ranges = sorted(byte_range(t) for t in outputs)
+    assert all((start - base) % 256 == 0 for start, _ in ranges)
+    assert all(previous_end <= start for (_, previous_end), (start, _) in zip(ranges, ranges[1:]))
+    for value, t in enumerate(outputs, start=1):  # writing one leaves the others as they were
+        as_bytes_or_self(t).fill_(value)
+    assert all(as_bytes_or_self(t).eq(value).all() for value, t in enumerate(outputs, start=1))
+
+
+def test_a_blocks_tensors_are_separate_tensors_on_one_storage():
+    first, second = output_group([[((-1,), None, torch.int64), ((2,), None, torch.int64)]], CPU).empty(3)
+    first.add_(0)  # an in-place change bumps only its own version counter
+    assert (first._version, second._version) == (1, 0)
+    assert not first._is_view() and not second._is_view()
+    del first
+    assert second.untyped_storage().nbytes() >= 256 + 16  # the allocation lives while any of its tensors does
+
+
 def test_every_call_gets_its_own_storage():
-    group = _C_torch.output_group([((-1, 8), None, torch.int64), ((16,), None, torch.int64)], CPU)
+    group = output_group([[((-1, 8), None, torch.int64)], [((16,), None, torch.int64)]], CPU)
     first, second = group.empty(4), group.empty(4)
     addresses = {t.data_ptr() for t in (*first, *second)}
     assert len(addresses) == 4
@@ -32,35 +77,41 @@ def test_every_call_gets_its_own_storage():
     assert first[0].eq(1).all()
 
 
-def test_global_defaults_change_nothing():
-    group = _C_torch.output_group([((-1, 3), None, torch.bfloat16), ((2,), None, torch.int32)], CPU)
-    before = [(t.shape, t.dtype, t.device) for t in group.empty(5)]
+@pytest.mark.parametrize("blocks", [alone(SPECS[:3]), [SPECS[:3]]], ids=["alone", "shared"])
+def test_global_defaults_change_nothing(blocks):
+    group = output_group(blocks, CPU)
+    before = [(t.shape, t.stride(), t.dtype, t.device) for t in group.empty(5)]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        assert [(t.shape, t.dtype, t.device) for t in group.empty(5)] == before
+        assert [(t.shape, t.stride(), t.dtype, t.device) for t in group.empty(5)] == before
     finally:
         torch.set_default_dtype(previous)
 
 
-@pytest.mark.parametrize("specs,message", [
-    ([((-2, 3), None, torch.int32)], "extent -2"),
-    ([((2, 3), (1,), torch.int32)], "1 strides for 2 sizes"),
-    ([((-1, 3), (3, 1), torch.int32)], "strided outputs have fixed sizes"),
+@pytest.mark.parametrize("blocks,message", [
+    ([[((-2, 3), None, torch.int32)]], "extent -2"),
+    ([[((2, 3), (1,), torch.int32)]], "1 strides for 2 sizes"),
+    ([[((-1, 3), (3, 1), torch.int32)]], "strided outputs have fixed sizes"),
+    ([[((2, 3), (3, -1), torch.int32)]], "stride -1"),
+    ([[((2,), None, torch.int32)], []], "an empty block"),
 ])
-def test_bad_specs_are_refused(specs, message):
-    with pytest.raises(RuntimeError, match=message):
-        _C_torch.output_group(specs, CPU)
+def test_bad_specs_are_refused(blocks, message):
+    with pytest.raises(ValueError, match=message):
+        output_group(blocks, CPU)
 
 
 def test_negative_rows_are_refused():
-    with pytest.raises(RuntimeError, match="rows = -1"):
-        _C_torch.output_group([((-1,), None, torch.int32)], CPU).empty(-1)
+    with pytest.raises(ValueError, match="rows = -1"):
+        output_group([[((-1,), None, torch.int32)]], CPU).empty(-1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch's CUDA caching allocator)")
-def test_a_cuda_allocation_too_large_raises_torchs_out_of_memory_error():
-    group = _C_torch.output_group([((-1,), None, torch.float32)], torch.device("cuda", 0))
-    with pytest.raises(torch.OutOfMemoryError):
+@pytest.mark.parametrize("blocks", [[[((-1,), None, torch.float32)]], [[((-1,), None, torch.float32)] * 2]],
+                         ids=["alone", "shared"])
+def test_a_cuda_allocation_too_large_raises_torchs_out_of_memory_error(blocks):
+    group = output_group(blocks, torch.device("cuda", 0))
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
         group.empty(1 << 45)  # 128 TiB
-    assert group.empty(4)[0].device == torch.device("cuda", 0)
+    outputs = group.empty(4)
+    assert all(t.device == torch.device("cuda", 0) and t.shape == (4,) for t in outputs)

@@ -88,8 +88,11 @@ def layout_pieces(lib, group, device, topk_idx) -> Tuple[object, Dict[str, Piece
         "backend.get_dispatch_layout": Piece(lambda: backend.get_dispatch_layout(topk_idx, EXPERTS)),
         f"torch.empty int32[{EXPERTS}]": Piece(lambda: torch.empty(EXPERTS, dtype=torch.int32, device=device)),
         f"torch.empty bool[{TOKENS},{R}]": Piece(lambda: torch.empty(TOKENS, R, dtype=torch.bool, device=device)),
-        "the 3 outputs, one OutputGroup.empty": Piece(lambda: backend._output_group(
-            ((R,), None, torch.int32), ((EXPERTS,), None, torch.int32), ((-1, R), None, torch.bool)).empty(TOKENS)),
+        "the 3 outputs, one OutputGroup.empty (one allocation)": Piece(lambda: backend._output_group(
+            (((R,), None, torch.int32), ((EXPERTS,), None, torch.int32), ((-1, R), None, torch.bool))).empty(TOKENS)),
+        "the 3 outputs, one OutputGroup.empty (three allocations)": Piece(lambda: backend._output_group(
+            (((R,), None, torch.int32),), (((EXPERTS,), None, torch.int32),), (((-1, R), None, torch.bool),)
+        ).empty(TOKENS)),
         "a slice": Piece(lambda: per_expert[:EXPERTS // 2]),
         "_C.get_dispatch_layout": Piece(lambda: _C.get_dispatch_layout(
             topk_idx.data_ptr(), TOKENS, TOPK, EXPERTS, R, R, per_rank.data_ptr(), 0, per_expert.data_ptr(),
@@ -212,7 +215,12 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
             torch.empty(num_local, R, dtype=torch.int64, device=device))),
         f"torch.empty bf16 combine out [{TOKENS},{HIDDEN}]": Piece(
             lambda: torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)),
-        "the dispatch's 5 outputs, one OutputGroup.empty": Piece(plan.dispatch_outputs.empty),
+        "the dispatch's 5 outputs, one OutputGroup.empty (two allocations)": Piece(plan.dispatch_outputs.empty),
+        "the dispatch's 5 outputs, one OutputGroup.empty (five allocations)": Piece(backend._output_group(
+            *(((spec,) for spec in ((plan.recv_shape, None, plan.recv_dtype),
+                                    (plan.scales_shape, plan.scales_strides, plan.scales_dtype),
+                                    ((num_local,), None, torch.int32), ((num_local, num_slots), None, torch.int32),
+                                    ((num_local, R), None, torch.int64))))).empty),
         "the combine's output, OutputGroup.empty": Piece(lambda: plan.combine_output.empty(TOKENS)),
         "DispatchArgs: a fresh one, every field": Piece(lambda: fill_dispatch_args(plan.new_dispatch_args())),
         "DispatchArgs: the plan's, per-call fields": Piece(lambda: fill_dispatch_args(plan.dispatch_args)),

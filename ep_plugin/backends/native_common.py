@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List, Optional, Tuple
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,48 @@ def local_experts(num_experts: int, num_ranks: int) -> int:
     return num_local_experts
 
 
+OutputSpec = Tuple[Tuple[int, ...], Optional[Tuple[int, ...]], torch.dtype]  # sizes, strides or None, dtype
+
+_FAILURES = {"value": ValueError, "out_of_memory": torch.OutOfMemoryError}
+
+
+def _raise_failure(failure: Tuple[str, str]) -> NoReturn:
+    """Raise what `_C_torch` reported: it returns its failures (kind, message) and never throws."""
+    kind, message = failure
+    raise _FAILURES.get(kind, RuntimeError)(message)
+
+
+class OutputGroup:
+    """A call's outputs on one device, allocated by torch's caching allocator from C++ in one binding call
+    (csrc/torch_outputs.cpp); see `output_group`."""
+
+    __slots__ = ("_group",)
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def empty(self, rows: int = 0) -> List[torch.Tensor]:
+        """Uninitialised tensors, one per spec in block order, every -1 extent set to `rows`, on the current
+        stream; ValueError for negative rows, torch.OutOfMemoryError where the device has no room."""
+        outputs = self._group.empty(rows)
+        if outputs.__class__ is list:
+            return outputs
+        _raise_failure(outputs)
+
+    def __repr__(self) -> str:
+        return repr(self._group)
+
+
+def output_group(blocks: Sequence[Sequence[OutputSpec]], device: torch.device) -> OutputGroup:
+    """The OutputGroup of `blocks` on `device`: a block is a sequence of specs (sizes, strides or None,
+    dtype), an extent of -1 being the row count given to `empty(rows)`; a block's outputs share one
+    allocation (for outputs that live and die together). ValueError for a bad spec."""
+    group = _C_torch.output_group([list(block) for block in blocks], device)
+    if group.__class__ is tuple:
+        _raise_failure(group)
+    return OutputGroup(group)
+
+
 # torch's current CUDA stream as a raw handle (the same call Triton's launchers make); CUDA builds only.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -71,14 +113,13 @@ class NativeBase(Backend):
         if config.num_sms > self._num_device_sms:
             raise ValueError(f"config.num_sms = {config.num_sms} exceeds the {self._num_device_sms} SMs of this GPU")
 
-    def _output_group(self, *specs: Tuple[Tuple[int, ...], Optional[Tuple[int, ...]], torch.dtype]):
-        """The `_C_torch.OutputGroup` of `specs` ((sizes, strides or None, dtype) each; an extent of -1 is
-        the row count given to its `empty(rows)`) on this buffer's device, made once per buffer. One
-        binding call allocates a call's outputs: each torch.empty from Python costs about 4.5 us of host
-        time on an H100 host, and C++ allocations ignore torch's global default device and dtype."""
-        group = self._output_groups.get(specs)
+    def _output_group(self, *blocks: Tuple[OutputSpec, ...]) -> OutputGroup:
+        """The `output_group` of `blocks` on this buffer's device, made once per buffer. One binding call
+        allocates a call's outputs: each torch.empty from Python costs about 4.5 us of host time on an
+        H100 host, and C++ allocations ignore torch's global default device and dtype."""
+        group = self._output_groups.get(blocks)
         if group is None:
-            group = self._output_groups[specs] = _C_torch.output_group(list(specs), self.info.device)
+            group = self._output_groups[blocks] = output_group(blocks, self.info.device)
         return group
 
     def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
