@@ -5,16 +5,18 @@
 # Stages (run in the order given):
 #   build      pip install -e . (both extensions); GPU names and topology into build.log
 #   deepep     build DeepEP V1 from the carried .peers/ folder (../shared/peers; the device call carries `.peers`)
-#              into /tmp/deepep, so that `bench` times it in the same run (`--baseline deepep`)
+#              into /tmp/deepep, so that `bench` times it in the same run (`--baseline deepep`); with `build`
+#              in the same call it builds while ep_plugin does
 #   share      start CUDA MPS so that RANKS_PER_GPU (default 2) ranks share each GPU (correctness only: the
 #              "links" are the GPU's own memory); set BENCH_RANKS to bench more ranks than GPUs
 #   unshare    stop that MPS daemon
 #   tests      pytest $PYTEST_ARGS (default: the native normal-mode files), -k "$PYTEST_K" if set
-#   suite      every test file that uses GPUs, to the end, in passes of about 5 minutes each (SUITE_PASSES, one
-#              or two per call with the build): `2`, every file at 2 ranks, in two streams on the GPU pairs (0,1)
-#              and (2,3) where 4 GPUs are present; `4a`, the intranode file at 4 ranks (EP_TEST_RANKS=4);
-#              `4b`, the other rank-dependent files at 4 ranks. Carry .whl (megatron-core) and build `deepep`
-#              first for the Megatron and DeepEP cases.
+#   suite      every test file that uses GPUs, file by file (a summary line each) until DEADLINE_S, in passes
+#              (SUITE_PASSES): `2`, the files of SUITE_A and SUITE_B at 2 ranks, in two streams on the GPU pairs
+#              (0,1) and (2,3) where 4 GPUs are present (at 2 ranks the whole suite takes more than one call:
+#              set SUITE_A / SUITE_B to the files of this call); `4a`, the intranode file at 4 ranks
+#              (EP_TEST_RANKS=4); `4b`, the other rank-dependent files at 4 ranks. Carry .whl (megatron-core)
+#              and build `deepep` first for the Megatron and DeepEP cases.
 #   timeouts   the tests that end in a device trap by design (a missing peer, an out-of-range id, ranks that
 #              disagree), each file alone under `timeout -k`
 #   bench      ep-plugin bench, normal mode: BF16/FP8 x 24/16 SMs, the reference and the P2P ceiling in the same run
@@ -62,18 +64,25 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
 }
 
 # The GPU-using test files, in two halves of similar length at 2 ranks; the rank-dependent ones at 4.
-SUITE_A="tests/test_native_intranode.py tests/test_cli.py tests/test_permute.py tests/test_reference_normal.py
-  tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py"
-SUITE_B="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_layout.py
+SUITE_A=${SUITE_A:-"tests/test_native_intranode.py tests/test_cli.py tests/test_permute.py tests/test_reference_normal.py
+  tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py"}
+SUITE_B=${SUITE_B:-"tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_layout.py
   tests/test_output_region.py tests/test_native_internode.py tests/test_megatron_gpu.py
-  tests/test_megatron_integration.py tests/test_torch_grouped_experts.py tests/test_torch_outputs.py"
+  tests/test_megatron_integration.py tests/test_torch_grouped_experts.py tests/test_torch_outputs.py"}
 SUITE_4="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_internode.py"
 
-suite_pass() {  # suite_pass NAME GPUS FILES...: pytest to the end on those GPUs (all if GPUS is empty)
-  local name=$1 gpus=$2; shift 2
-  env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout -k 10 "$(time_left 20)" python3 -m pytest -q -rfEs --durations=10 "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? ($(grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -1))" >> "$summary"
+suite_pass() {  # suite_pass NAME GPUS FILES...: each file's tests on those GPUs (all if GPUS is empty), a line each
+  local name=$1 gpus=$2 file left start; shift 2
+  for file in "$@"; do
+    left=$(time_left 20)
+    if [ "$left" -lt 30 ]; then echo "$name: $file not run (deadline)" >> "$summary"; continue; fi
+    start=$SECONDS
+    # SIGINT first: pytest then names the test it was in and prints its summary.
+    env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
+      timeout -s INT -k 20 "$left" python3 -m pytest -q -rfEs --durations=5 ${SUITE_K:+-k "$SUITE_K"} "$file" >> "$OUT/$name.log" 2>&1
+    echo "$name: $file rc=$?, $((SECONDS - start)) s ($(grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -1))" \
+      >> "$summary"
+  done
 }
 
 bench() {  # bench NAME ARGS...: one `ep-plugin bench` run with its JSON kept
@@ -90,16 +99,23 @@ for s in $STAGES; do
   case $s in
     build)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/build.log" 2>&1
+      # A later deepep stage builds DeepEP V1 meanwhile (the two builds take about as long as one).
+      if [[ " $STAGES " == *" deepep "* ]] && [ -f .peers/build_deepep_v1.sh ]; then
+        stage deepep bash .peers/build_deepep_v1.sh .peers/deepep-v1 /tmp/deepep & deepep_build=$!
+      fi
       stage build python3 -m pip install --no-build-isolation --no-deps -e . || { cat "$summary"; tail -40 "$OUT/build.log"; exit 1; }
       ;;
     deepep)
-      if [ -f .peers/build_deepep_v1.sh ]; then
-        if stage deepep bash .peers/build_deepep_v1.sh .peers/deepep-v1 /tmp/deepep; then
-          export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
-          BASELINE_ARGS="--baseline deepep"
-        fi
+      if [ -n "${deepep_build:-}" ]; then
+        wait "$deepep_build"; deepep_rc=$?
+      elif [ -f .peers/build_deepep_v1.sh ]; then
+        stage deepep bash .peers/build_deepep_v1.sh .peers/deepep-v1 /tmp/deepep; deepep_rc=$?
       else
-        echo "deepep: skipped (carry .peers: a copy of ../shared/peers)" >> "$summary"
+        echo "deepep: skipped (carry .peers: a copy of ../shared/peers)" >> "$summary"; deepep_rc=1
+      fi
+      if [ "$deepep_rc" = 0 ]; then
+        export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
+        BASELINE_ARGS="--baseline deepep"
       fi
       ;;
     share)
@@ -141,7 +157,8 @@ for s in $STAGES; do
             fi
             ;;
           # The intranode tests of one rank ran in pass 2.
-          4a) EP_TEST_RANKS=4 suite_pass suite4a "" tests/test_native_intranode.py -k "not test_cases_one_rank and not at_one_rank" ;;
+          4a) EP_TEST_RANKS=4 SUITE_K="not test_cases_one_rank and not at_one_rank" \
+                suite_pass suite4a "" tests/test_native_intranode.py ;;
           4b) EP_TEST_RANKS=4 suite_pass suite4b "" $SUITE_4 ;;
           *) echo "suite: unknown pass $pass (2, 4a, 4b)" >> "$summary" ;;
         esac
