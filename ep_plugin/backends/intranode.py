@@ -118,14 +118,15 @@ class IntranodeMode(NativeBase):
         R = info.num_ranks
         # NOTE: the outputs in one binding call and one allocation, and the kernel by position: the fewest
         # Python operations (host time of an eager call). The kernel writes every entry.
+        per_rank_spec, per_expert_spec = ((R,), None, torch.int32), ((num_experts,), None, torch.int32)
+        in_rank_spec = ((-1, R), None, torch.bool)
         if info.is_intranode:
             per_rank, per_expert, in_rank = self._output_group(
-                (((R,), None, torch.int32), ((num_experts,), None, torch.int32), ((-1, R), None, torch.bool))).empty(T)
+                (per_rank_spec, per_expert_spec, in_rank_spec)).empty(T)
             per_node = None
         else:
             per_rank, per_node, per_expert, in_rank = self._output_group(
-                (((R,), None, torch.int32), ((info.num_nodes,), None, torch.int32),
-                 ((num_experts,), None, torch.int32), ((-1, R), None, torch.bool))).empty(T)
+                (per_rank_spec, ((info.num_nodes,), None, torch.int32), per_expert_spec, in_rank_spec)).empty(T)
         _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, info.ranks_per_node, per_rank.data_ptr(),
                                0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
                                in_rank.data_ptr(), self._stream())
@@ -239,13 +240,13 @@ class IntranodeMode(NativeBase):
     def _intranode_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
         self._check_sms(config)
         T = handle.num_tokens
+        rows_spec = ((-1, x.size(1)), None, torch.bfloat16)
         if topk_weights is None:
-            combined_x, = self._output_group((((-1, x.size(1)), None, torch.bfloat16),)).empty(T)
+            combined_x, = self._output_group((rows_spec,)).empty(T)
             combined_weights = None
         else:  # two allocations: a caller that keeps only the weights does not keep the rows
-            combined_x, combined_weights = self._output_group(
-                (((-1, x.size(1)), None, torch.bfloat16),), (((-1, topk_weights.size(1)), None, torch.float32),)
-            ).empty(T)
+            weights_spec = ((-1, topk_weights.size(1)), None, torch.float32)
+            combined_x, combined_weights = self._output_group((rows_spec,), (weights_spec,)).empty(T)
         if self._copy_engine_combine_possible(handle, x.size(1)):
             self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
             self.last_combine_path = "copy_engine"
