@@ -29,8 +29,8 @@ namespace {
 
 // An extent of -1 is the call's row count (OutputGroup::empty's `rows`).
 constexpr int64_t kRows = -1;
-// Where each output of a shared allocation starts, in bytes from the previous one's end: a multiple
-// of every element size and of the 16 bytes that vector and TMA accesses need.
+// Each output of a shared allocation starts at a multiple of this many bytes from the allocation's
+// start: a multiple of every element size and of the 16 bytes that vector and TMA accesses need.
 constexpr int64_t kAlignBytes = 256;
 
 struct OutputSpec {

@@ -62,12 +62,14 @@ class LowLatencyPlan:
         self.layout_shape, self.src_info_shape = (num_local, R), (num_local, num_slots)
         # A dispatch's outputs: the rows with their scales (FP8) in one allocation, the count, src_info and
         # layout per expert in another (the handle keeps the last two; the count is tiny).
-        scales = ((self.scales_shape, self.scales_strides, self.scales_dtype),) if use_fp8 else ()
+        rows_spec = (self.recv_shape, None, self.recv_dtype)
+        scales_spec = (self.scales_shape, self.scales_strides, self.scales_dtype)
+        count_spec = ((num_local,), None, torch.int32)
+        src_info_spec, layout_spec = (self.src_info_shape, None, torch.int32), (self.layout_shape, None, torch.int64)
         self.dispatch_outputs = backend._output_group(
-            ((self.recv_shape, None, self.recv_dtype),) + scales,
-            (((num_local,), None, torch.int32), (self.src_info_shape, None, torch.int32),
-             (self.layout_shape, None, torch.int64)))
-        self.combine_output = backend._output_group((((-1, hidden), None, torch.bfloat16),))
+            (rows_spec, scales_spec) if use_fp8 else (rows_spec,), (count_spec, src_info_spec, layout_spec))
+        combined_spec = ((-1, hidden), None, torch.bfloat16)
+        self.combine_output = backend._output_group((combined_spec,))
         # Expert-side sums where the weights come with the dispatch and every peer is on NVLink (the
         # same answer on every rank of one NVLink domain; a rank that disagrees gets a device error).
         self.expert_sums = with_weights and backend._low_latency().supports_expert_sums(
