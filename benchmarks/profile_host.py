@@ -17,7 +17,9 @@ back to back divided by --iters, with one synchronisation at the end (the larger
 "gpu" the GPU's time per call with the host ahead (calls queued behind a sleep; NaN where the host could
 not get ahead): where "wall" passes "gpu", the host sets the pace.
 `--repeat N` runs every configuration N times, every other time in reverse order (a row's time
-could owe to its place in the run rather than to its settings).
+could owe to its place in the run rather than to its settings). Under each row, every rank's timed host
+loop: its median host time per call, the main thread's CPU share (below 100%: it waited or was
+descheduled), its context switches (blocked / preempted), garbage collections and cudaMalloc calls.
 
     python3 benchmarks/profile_host.py --eager --tokens 128 --iters 500 --ranks 2 --repeat 2
 """
@@ -27,8 +29,10 @@ import argparse
 import cProfile
 import importlib
 import importlib.util
+import gc
 import io
 import pstats
+import resource
 import statistics
 import time
 from typing import Callable, Dict, List
@@ -113,23 +117,39 @@ def profile_rank(rank: int, world_size: int, group, args: argparse.Namespace) ->
     return {"rank": rank, "host_us": host, "profile": report if rank == 0 else ""}
 
 
+def _loop_counters() -> Dict[str, float]:
+    """What can make the host's calls slow without showing in their code: this thread's CPU time and
+    context switches (voluntary: it blocked, e.g. in a driver wait; involuntary: it was preempted), the
+    garbage collector's runs and the CUDA caching allocator's cudaMalloc calls."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    # NOTE: thread_time (the scheduler's count, ns) rather than rusage's CPU times (clock ticks).
+    counters = {"cpu_s": time.thread_time(), "blocked": usage.ru_nvcsw, "preempted": usage.ru_nivcsw,
+                "gc": sum(stats["collections"] for stats in gc.get_stats()), "wall_s": time.perf_counter()}
+    counters["mallocs"] = torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+    return counters
+
+
 def _eager_times(step: Callable[[], None], iters: int, group) -> Dict[str, float]:
     for _ in range(20):  # warm-up
         step()
     _synchronize()
     host = []
+    before = _loop_counters()
     for _ in range(iters):
         begin = time.perf_counter()
         step()
         host.append((time.perf_counter() - begin) * 1e6)
+    after = _loop_counters()
     _synchronize()
     begin = time.perf_counter()
     for _ in range(iters):
         step()
     _synchronize()
     wall = (time.perf_counter() - begin) * 1e6 / iters
+    delta = {name: after[name] - before[name] for name in after}
     return {"host": statistics.median(host), "host_mean": statistics.fmean(host), "wall": wall,
-            "gpu": _gpu_us(step, group)}
+            "gpu": _gpu_us(step, group), "cpu_share": delta["cpu_s"] / delta["wall_s"],
+            **{name: delta[name] for name in ("blocked", "preempted", "gc", "mallocs")}}
 
 
 def _gpu_us(step: Callable[[], None], group, calls: int = 100, sleep_cycles: int = 60_000_000) -> float:
@@ -193,6 +213,13 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
     return {"times": times, "profile": profile}
 
 
+def _loop_report(t: Dict[str, float]) -> str:
+    """One rank's timed host loop: median host time per call, the thread's CPU share, its context switches
+    (blocked / preempted), garbage collections and cudaMalloc calls over the loop."""
+    return (f"host {t['host']:.0f} cpu {100 * t['cpu_share']:.0f}% switches {t['blocked']:.0f}/{t['preempted']:.0f} "
+            f"gc {t['gc']:.0f} malloc {t['mallocs']:.0f}")
+
+
 def eager_main(args: argparse.Namespace, ranks: int) -> None:
     libraries = ["ep_plugin"] + (["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])
     print(f"eager per-call us, rank 0 (median host / wall per call over {args.iters}; {args.tokens} tokens x "
@@ -205,11 +232,14 @@ def eager_main(args: argparse.Namespace, ranks: int) -> None:
         order = (False, True) if repeat % 2 == 0 else (True, False)
         for library in libraries if repeat % 2 == 0 else libraries[::-1]:
             for global_defaults in order:
-                result = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)[0]
+                results = parallel_launch(ranks, eager_rank, args, library, global_defaults, timeout_s=600.0)
+                result = results[0]
                 label = f"{library}{' (global default cuda/bf16)' if global_defaults else ''}"
                 print(f"{label:45s} " + "  ".join(
                     f"{name}: host {t['host']:.1f} (mean {t['host_mean']:.1f}) wall {t['wall']:.1f} gpu {t['gpu']:.1f}"
                     for name, t in result["times"].items()))
+                print(f"{'':45s}   the timed host loops, rank by rank: " + "; ".join(
+                    f"{name}: " + " | ".join(_loop_report(r["times"][name]) for r in results) for name in result["times"]))
                 if repeat == 0:
                     profiles.append(result["profile"])  # rank 0's
     print("".join(profiles))
