@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import importlib
 import importlib.util
-import gc
 import io
 import pstats
 import resource

@@ -69,3 +69,24 @@ def test_profile_host_times_every_call_of_the_round_on_every_rank():
         assert list(times) == ["layout", "dispatch", "cached_dispatch", "combine"]
         assert all(float(v) > 0 for v in times.values())
     assert "by own time" in run.stdout and "buffer.py" in run.stdout
+
+
+def test_profile_host_eager_reports_every_ranks_host_loop():
+    script = BENCHMARKS / "profile_host.py"
+    run = subprocess.run([sys.executable, str(script), "--eager", "--ranks", "2", "--tokens", "8", "--hidden", "256",
+                          "--topk", "2", "--experts", "8", "--iters", "3", "--top", "5"],
+                         capture_output=True, text=True, timeout=240, cwd=BENCHMARKS.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    for label in ("ep_plugin ", "ep_plugin (global default cuda/bf16) "):
+        row = next(i for i, line in enumerate(lines) if line.startswith(label))
+        loops = lines[row + 1].split("the timed host loops, rank by rank: ", 1)[1]
+        for name in ("get_dispatch_layout", "ll_dispatch+combine"):
+            part = next(p for p in loops.split("; ") if p.startswith(name + ": "))
+            ranks = part.split(": ", 1)[1].split(" | ")
+            assert len(ranks) == 2
+            for report in ranks:
+                fields = report.split()
+                assert fields[0] == "host" and float(fields[1]) > 0
+                assert fields[2] == "cpu" and fields[3].endswith("%")
+                assert fields[4] == "switches" and all(int(n) >= 0 for n in fields[5].split("/"))
