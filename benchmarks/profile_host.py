@@ -19,7 +19,8 @@ not get ahead): where "wall" passes "gpu", the host sets the pace.
 `--repeat N` runs every configuration N times, every other time in reverse order (a row's time
 could owe to its place in the run rather than to its settings). Under each row, every rank's timed host
 loop: its median host time per call, the main thread's CPU share (below 100%: it waited or was
-descheduled), its context switches (blocked / preempted), garbage collections and cudaMalloc calls.
+descheduled) and its share spent runnable but waiting for a CPU, its context switches (blocked /
+preempted), garbage collections, cudaMalloc calls, and the busiest other thread of the process.
 
     python3 benchmarks/profile_host.py --eager --tokens 128 --iters 500 --ranks 2 --repeat 2
 """
@@ -28,14 +29,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import glob
 import importlib
 import importlib.util
 import io
+import os
 import pstats
 import resource
 import statistics
+import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,7 +130,41 @@ def _loop_counters() -> Dict[str, float]:
     counters = {"cpu_s": time.thread_time(), "blocked": usage.ru_nvcsw, "preempted": usage.ru_nivcsw,
                 "gc": sum(stats["collections"] for stats in gc.get_stats()), "wall_s": time.perf_counter()}
     counters["mallocs"] = torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+    counters["threads"] = _thread_schedstats()
     return counters
+
+
+def _thread_schedstats() -> Dict[str, Tuple[float, float]]:
+    """Every thread of this process by "name/tid": seconds on a CPU and seconds runnable but waiting for one
+    (the scheduler's counts, /proc/<pid>/task/<tid>/schedstat; empty where the kernel keeps none)."""
+    stats = {}
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/schedstat") as f:
+                on_cpu_ns, waiting_ns = f.read().split()[:2]
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        stats[f"{name}/{os.path.basename(task)}"] = (int(on_cpu_ns) * 1e-9, int(waiting_ns) * 1e-9)
+    return stats
+
+
+def _thread_report(before: Dict[str, Tuple[float, float]], after: Dict[str, Tuple[float, float]],
+                   wall_s: float) -> Dict[str, float]:
+    """The main thread's share of the loop spent waiting for a CPU, and the busiest other thread's CPU share
+    (a thread that spins beside the calls: a proxy, a watchdog)."""
+    main = f"{_comm()}/{threading.get_native_id()}"
+    shares = {name: (after[name][0] - before[name][0]) / wall_s for name in after if name in before}
+    others = {name: share for name, share in shares.items() if name != main}
+    busiest = max(others, key=others.get, default="none")
+    waited = (after[main][1] - before[main][1]) / wall_s if main in after and main in before else float("nan")
+    return {"runqueue_share": waited, "busiest_other": busiest, "busiest_other_share": others.get(busiest, 0.0)}
+
+
+def _comm() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
 
 
 def _eager_times(step: Callable[[], None], iters: int, group) -> Dict[str, float]:
@@ -146,10 +184,11 @@ def _eager_times(step: Callable[[], None], iters: int, group) -> Dict[str, float
         step()
     _synchronize()
     wall = (time.perf_counter() - begin) * 1e6 / iters
-    delta = {name: after[name] - before[name] for name in after}
+    delta = {name: after[name] - before[name] for name in after if name != "threads"}
     return {"host": statistics.median(host), "host_mean": statistics.fmean(host), "wall": wall,
             "gpu": _gpu_us(step, group), "cpu_share": delta["cpu_s"] / delta["wall_s"],
-            **{name: delta[name] for name in ("blocked", "preempted", "gc", "mallocs")}}
+            **{name: delta[name] for name in ("blocked", "preempted", "gc", "mallocs")},
+            **_thread_report(before["threads"], after["threads"], delta["wall_s"])}
 
 
 def _gpu_us(step: Callable[[], None], group, calls: int = 100, sleep_cycles: int = 60_000_000) -> float:
@@ -214,10 +253,12 @@ def eager_rank(rank: int, world_size: int, group, args: argparse.Namespace, libr
 
 
 def _loop_report(t: Dict[str, float]) -> str:
-    """One rank's timed host loop: median host time per call, the thread's CPU share, its context switches
-    (blocked / preempted), garbage collections and cudaMalloc calls over the loop."""
-    return (f"host {t['host']:.0f} cpu {100 * t['cpu_share']:.0f}% switches {t['blocked']:.0f}/{t['preempted']:.0f} "
-            f"gc {t['gc']:.0f} malloc {t['mallocs']:.0f}")
+    """One rank's timed host loop: median host time per call, the thread's CPU share and its share waiting
+    for a CPU, its context switches (blocked / preempted), garbage collections, cudaMalloc calls and the
+    busiest other thread over the loop."""
+    return (f"host {t['host']:.0f} cpu {100 * t['cpu_share']:.0f}% runqueue {100 * t['runqueue_share']:.0f}% "
+            f"switches {t['blocked']:.0f}/{t['preempted']:.0f} gc {t['gc']:.0f} malloc {t['mallocs']:.0f} "
+            f"busiest other thread {t['busiest_other']} {100 * t['busiest_other_share']:.0f}%")
 
 
 def eager_main(args: argparse.Namespace, ranks: int) -> None:

@@ -89,4 +89,6 @@ def test_profile_host_eager_reports_every_ranks_host_loop():
                 fields = report.split()
                 assert fields[0] == "host" and float(fields[1]) > 0
                 assert fields[2] == "cpu" and fields[3].endswith("%")
-                assert fields[4] == "switches" and all(int(n) >= 0 for n in fields[5].split("/"))
+                assert fields[4] == "runqueue" and fields[5].endswith("%")
+                assert fields[6] == "switches" and all(int(n) >= 0 for n in fields[7].split("/"))
+                assert fields[12:15] == ["busiest", "other", "thread"] and fields[16].endswith("%")
