@@ -236,7 +236,8 @@ def torch_extension() -> list[Extension]:
                          "package)") from error
     # torch's include and library lists, on an extension of our class (build_extension tells it by that).
     made = CppExtension("ep_plugin._C_torch", sources=["csrc/torch_outputs.cpp"], extra_compile_args=["-O3"])
-    return [TorchExtension(made.name, made.sources, include_dirs=made.include_dirs, library_dirs=made.library_dirs,
+    return [TorchExtension(made.name, made.sources, include_dirs=[str(CSRC), *made.include_dirs],
+                           library_dirs=made.library_dirs,
                            libraries=made.libraries, language=made.language,
                            extra_compile_args=made.extra_compile_args)]
 

@@ -368,6 +368,10 @@ std::string LowLatencyRuntime::describe_device_error() const {
   return out.str();
 }
 
+bool LowLatencyRuntime::nothing_to_report() const {
+  return memory_.is_open() && memory_.status_host->error_code == kErrNone && memory_.status_host->bad_input_rank < 0;
+}
+
 void LowLatencyRuntime::check_device_error() const {
   if (memory_.status_host != nullptr && memory_.status_host->error_code != kErrNone)
     throw Error("ep_plugin: a low-latency kernel stopped on rank " + std::to_string(rank_) + ": " +

@@ -80,6 +80,9 @@ class LowLatencyRuntime {
   void destroy(bool collective);
 
   void check_device_error() const;
+  // Whether a call would launch with nothing to report first: the buffer is open, no kernel stopped
+  // and no dispatch recorded a bad expert id (the unchecked path then launches; else the checked one runs).
+  bool nothing_to_report() const;
 
  private:
   void require_alive() const;

@@ -14,6 +14,7 @@
 
 #include "common/binding.h"
 #include "common/exception.cuh"
+#include "common/low_latency_launchers.h"
 #include "kernels/internode_layout.cuh"
 #include "kernels/low_latency_layout.cuh"
 #include "nvshmem_runtime.cuh"
@@ -216,6 +217,59 @@ void bind_internode_args(py::module_& m) {
   }
 }
 
+// ---- the launchers of the eager fast path (common/low_latency_launchers.h) ----
+// Each copies the template Args, fills the call's addresses and launches send + receive. Nothing
+// throws out of them: any failure (a pending report, a check of the runtime) launches nothing and
+// returns false, and the checked path runs the call again and raises what stopped it.
+template <typename Args, typename Fill>
+bool launch_unchecked(void* runtime_object, void* args_object, int parity, uintptr_t stream, Fill fill,
+                      void (LowLatencyRuntime::*launch)(Args, int, cudaStream_t)) noexcept {
+  try {
+    auto& runtime = py::handle(static_cast<PyObject*>(runtime_object)).cast<LowLatencyRuntime&>();
+    // NOTE: an error left by an earlier CUDA call would fail the check after the launch, which then
+    // did launch: such a call takes the checked path (which reports it), so that a failure here
+    // always means nothing was launched.
+    if (!runtime.nothing_to_report() || cudaPeekAtLastError() != cudaSuccess) return false;
+    Args args = py::handle(static_cast<PyObject*>(args_object)).cast<const Args&>();
+    fill(args);
+    args.phases = low_latency::kPhaseSend | low_latency::kPhaseRecv;
+    (runtime.*launch)(args, parity, as_stream(stream));
+    return true;
+  } catch (...) {  // the runtime's checks come before its launch, and the launch's own error after it
+    return false;
+  }
+}
+
+bool dispatch_unchecked(void* runtime, void* args, const low_latency::DispatchCall& call, int parity,
+                        uintptr_t stream) noexcept {
+  return launch_unchecked<low_latency::DispatchArgs>(runtime, args, parity, stream, [&](low_latency::DispatchArgs& a) {
+    a.x = call.x;
+    a.topk_idx = call.topk_idx;
+    a.num_tokens = call.num_tokens;
+    a.recv_x = call.recv_x;
+    a.recv_scales = call.recv_scales;
+    a.recv_count = call.recv_count;
+    a.recv_src_info = call.recv_src_info;
+    a.recv_layout = call.recv_layout;
+    a.cumulative_stats = call.cumulative_stats;
+  }, &LowLatencyRuntime::dispatch);
+}
+
+bool combine_unchecked(void* runtime, void* args, const low_latency::CombineCall& call, int parity,
+                       uintptr_t stream) noexcept {
+  return launch_unchecked<low_latency::CombineArgs>(runtime, args, parity, stream, [&](low_latency::CombineArgs& a) {
+    a.x = call.x;
+    a.recv_src_info = call.recv_src_info;
+    a.recv_layout = call.recv_layout;
+    a.topk_idx = call.topk_idx;
+    a.topk_weights = call.topk_weights;
+    a.out = call.out;
+    a.num_tokens = call.num_tokens;
+  }, &LowLatencyRuntime::combine);
+}
+
+const low_latency::LowLatencyLaunchers kLaunchers{&dispatch_unchecked, &combine_unchecked};
+
 }  // namespace
 
 PYBIND11_MODULE(_C_nvshmem, m) {
@@ -278,6 +332,10 @@ PYBIND11_MODULE(_C_nvshmem, m) {
            py::arg("args"), py::arg("parity"), py::arg("stream"))
       .def("supports_expert_sums", &LowLatencyRuntime::supports_expert_sums, py::arg("num_max_dispatch_tokens_per_rank"),
            py::arg("hidden"), py::arg("num_experts"));
+
+  // NOTE: const_cast: a capsule holds a void*; the table is only read (by ep_plugin._C_torch).
+  m.attr("low_latency_launchers") = py::capsule(const_cast<low_latency::LowLatencyLaunchers*>(&kLaunchers),
+                                                low_latency::kLowLatencyLaunchersName);
 
   // ---- internode normal mode (network leg) ----
   m.attr("INTERNODE_HEADER_BYTES") = internode::kHeaderBytes;

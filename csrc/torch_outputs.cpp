@@ -15,15 +15,19 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/TensorImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
+
+#include "common/low_latency_launchers.h"
 
 namespace {
 
@@ -184,6 +188,158 @@ std::variant<std::vector<at::Tensor>, Failure> empty_outputs(const OutputGroup& 
   return without_throwing([&] { return group.empty(rows); });
 }
 
+// ---- the eager low-latency fast path ----------------------------------------------------------------
+// One low-latency plan's calls in one binding call each: check the arguments (booleans only), allocate
+// the outputs, launch through _C_nvshmem's launchers (common/low_latency_launchers.h). Anything that
+// differs from the common case (a tensor of another dtype, shape, device or layout, a failed allocation
+// or launch) returns None having launched nothing; the checked Python path then runs the call and
+// raises its error where there is one, so every message lives in one place.
+namespace ll = ep_plugin::low_latency;
+
+// `call()`'s result, or None where it threw: every step that can throw comes before the launch, so a
+// None has launched nothing.
+template <typename Call>
+pybind11::object none_if_thrown(Call call) noexcept {
+  try {
+    return call();
+  } catch (...) {
+    PyErr_Clear();  // an error pybind11 left set would fail the None returned
+    return pybind11::none();
+  }
+}
+
+// `object` as a tensor: plain torch.Tensor (or Parameter) only; a subclass takes the checked path.
+std::optional<at::Tensor> tensor_of(pybind11::handle object) {
+  if (!THPVariable_CheckExact(object.ptr())) return std::nullopt;
+  return THPVariable_Unpack(object.ptr());
+}
+
+// The shape, dtype, device and (contiguous) layout a kernel reads without a copy.
+bool is_plain(const at::Tensor& tensor, const at::Device& device, at::ScalarType dtype,
+              std::initializer_list<int64_t> sizes) {
+  return tensor.device() == device && tensor.scalar_type() == dtype && tensor.sizes().equals(sizes) &&
+         tensor.is_contiguous();
+}
+
+struct LowLatencySizes {
+  int64_t num_max_tokens, hidden, num_topk, num_local_experts, num_ranks;
+  bool use_fp8;
+};
+
+class LowLatencyCalls {
+ public:
+  LowLatencyCalls(pybind11::object dispatch_outputs, pybind11::object combine_output, const ll::LowLatencyLaunchers* launchers,
+                  pybind11::object runtime, pybind11::object dispatch_args, pybind11::object combine_args,
+                  const at::Device& device, const LowLatencySizes& sizes)
+      : dispatch_outputs_(std::move(dispatch_outputs)), combine_output_(std::move(combine_output)),
+        launchers_(launchers), runtime_(std::move(runtime)), dispatch_args_(std::move(dispatch_args)),
+        combine_args_(std::move(combine_args)), device_(device), sizes_(sizes) {}
+
+  // ([recv_x, (recv_scales,) recv_count, recv_src_info, recv_layout], T) of a launched dispatch, or None.
+  // NOTE: T from here: x.shape in Python would pass through a default-device mode (a few us).
+  pybind11::object dispatch(pybind11::handle x_object, pybind11::handle topk_idx_object, pybind11::handle stats_object,
+                            int parity, uintptr_t stream) const {
+    return none_if_thrown([&] { return launch_dispatch(x_object, topk_idx_object, stats_object, parity, stream); });
+  }
+
+  // The combined [T, H] bf16 tensor (`out` where given) of a launched combine, or None. `source`: the
+  // tensor whose data is sent (x, or the staging buffer with zero_copy); `x` is checked either way.
+  pybind11::object combine(pybind11::handle x_object, pybind11::handle source_object, pybind11::handle topk_idx_object,
+                           pybind11::handle topk_weights_object, pybind11::handle out_object,
+                           pybind11::handle recv_src_info_object, pybind11::handle recv_layout_object, int64_t num_tokens,
+                           int parity, uintptr_t stream) const {
+    return none_if_thrown([&] {
+      return launch_combine(x_object, source_object, topk_idx_object, topk_weights_object, out_object,
+                            recv_src_info_object, recv_layout_object, num_tokens, parity, stream);
+    });
+  }
+
+ private:
+  pybind11::object launch_dispatch(pybind11::handle x_object, pybind11::handle topk_idx_object,
+                                   pybind11::handle stats_object, int parity, uintptr_t stream) const {
+    const auto x = tensor_of(x_object), topk_idx = tensor_of(topk_idx_object);
+    if (!x || !topk_idx || x->dim() != 2) return pybind11::none();
+    const int64_t num_tokens = x->size(0);
+    if (num_tokens < 1 || num_tokens > sizes_.num_max_tokens ||
+        !is_plain(*x, device_, at::kBFloat16, {num_tokens, sizes_.hidden}) ||
+        !is_plain(*topk_idx, device_, at::kLong, {num_tokens, sizes_.num_topk}))
+      return pybind11::none();
+    int32_t* stats = nullptr;
+    if (!stats_object.is_none()) {
+      const auto given = tensor_of(stats_object);
+      if (!given || !is_plain(*given, device_, at::kInt, {sizes_.num_local_experts})) return pybind11::none();
+      stats = given->data_ptr<int32_t>();
+    }
+    auto outputs = without_throwing([&] { return dispatch_outputs_.cast<const OutputGroup&>().empty(0); });
+    if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
+    const std::vector<at::Tensor>& made = std::get<0>(outputs);
+    const size_t first_after_rows = sizes_.use_fp8 ? 2 : 1;  // [rows, (scales,) count, src_info, layout]
+    const ll::DispatchCall call{x->data_ptr(), topk_idx->data_ptr<int64_t>(), static_cast<int>(num_tokens),
+                                made[0].data_ptr(), sizes_.use_fp8 ? made[1].data_ptr() : nullptr,
+                                made[first_after_rows].data_ptr<int32_t>(), made[first_after_rows + 1].data_ptr<int32_t>(),
+                                made[first_after_rows + 2].data_ptr<int64_t>(), stats};
+    // NOTE: the Python result first: once the kernel is queued, nothing may fail (None would run it twice).
+    pybind11::object result = pybind11::make_tuple(pybind11::cast(made), num_tokens);
+    if (!launchers_->dispatch(runtime_.ptr(), dispatch_args_.ptr(), call, parity, stream)) return pybind11::none();
+    return result;
+  }
+
+  pybind11::object launch_combine(pybind11::handle x_object, pybind11::handle source_object,
+                                  pybind11::handle topk_idx_object, pybind11::handle topk_weights_object,
+                                  pybind11::handle out_object, pybind11::handle recv_src_info_object,
+                                  pybind11::handle recv_layout_object, int64_t num_tokens, int parity,
+                                  uintptr_t stream) const {
+    const auto x = tensor_of(x_object), source = tensor_of(source_object), topk_idx = tensor_of(topk_idx_object),
+               topk_weights = tensor_of(topk_weights_object), recv_src_info = tensor_of(recv_src_info_object),
+               recv_layout = tensor_of(recv_layout_object);
+    if (!x || !source || !topk_idx || !topk_weights || !recv_src_info || !recv_layout || num_tokens < 1) return pybind11::none();
+    const int64_t num_slots = sizes_.num_ranks * sizes_.num_max_tokens;
+    if (!is_plain(*x, device_, at::kBFloat16, {sizes_.num_local_experts, num_slots, sizes_.hidden}) ||
+        !is_plain(*source, device_, at::kBFloat16, {sizes_.num_local_experts, num_slots, sizes_.hidden}) ||
+        !is_plain(*topk_idx, device_, at::kLong, {num_tokens, sizes_.num_topk}) ||
+        !is_plain(*topk_weights, device_, at::kFloat, {num_tokens, sizes_.num_topk}))
+      return pybind11::none();
+    at::Tensor combined;
+    if (out_object.is_none()) {
+      auto outputs = without_throwing([&] { return combine_output_.cast<const OutputGroup&>().empty(num_tokens); });
+      if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
+      combined = std::get<0>(outputs).front();
+    } else {
+      const auto out = tensor_of(out_object);
+      if (!out || !is_plain(*out, device_, at::kBFloat16, {num_tokens, sizes_.hidden})) return pybind11::none();
+      combined = *out;
+    }
+    const ll::CombineCall call{source->data_ptr(), recv_src_info->data_ptr<int32_t>(), recv_layout->data_ptr<int64_t>(),
+                               topk_idx->data_ptr<int64_t>(), topk_weights->data_ptr<float>(), combined.data_ptr(),
+                               static_cast<int>(num_tokens)};
+    pybind11::object result = pybind11::cast(combined);  // NOTE: before the launch, as in dispatch
+    if (!launchers_->combine(runtime_.ptr(), combine_args_.ptr(), call, parity, stream)) return pybind11::none();
+    return result;
+  }
+
+  pybind11::object dispatch_outputs_, combine_output_;  // OutputGroups
+  const ll::LowLatencyLaunchers* launchers_;
+  pybind11::object runtime_, dispatch_args_, combine_args_;  // _C_nvshmem's LowLatencyRuntime and Args templates
+  at::Device device_;
+  LowLatencySizes sizes_;
+};
+
+std::variant<LowLatencyCalls, Failure> make_low_latency_calls(
+    pybind11::object dispatch_outputs, pybind11::object combine_output, pybind11::capsule launchers,
+    pybind11::object runtime, pybind11::object dispatch_args, pybind11::object combine_args, const at::Device& device,
+    int64_t num_max_tokens, int64_t hidden, int64_t num_topk, int64_t num_local_experts, int64_t num_ranks,
+    bool use_fp8) {
+  if (!pybind11::isinstance<OutputGroup>(dispatch_outputs) || !pybind11::isinstance<OutputGroup>(combine_output))
+    return Failure{"value", "low_latency_calls: dispatch_outputs and combine_output must be OutputGroups"};
+  if (!PyCapsule_IsValid(launchers.ptr(), ll::kLowLatencyLaunchersName))
+    return Failure{"value", std::string("low_latency_calls: launchers must be the capsule ") + ll::kLowLatencyLaunchersName};
+  const auto* table = static_cast<const ll::LowLatencyLaunchers*>(PyCapsule_GetPointer(launchers.ptr(),
+                                                                                       ll::kLowLatencyLaunchersName));
+  return LowLatencyCalls(std::move(dispatch_outputs), std::move(combine_output), table, std::move(runtime),
+                         std::move(dispatch_args), std::move(combine_args), device,
+                         LowLatencySizes{num_max_tokens, hidden, num_topk, num_local_experts, num_ranks, use_fp8});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -195,6 +351,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Uninitialised tensors, one per spec in block order, with every -1 extent set to `rows`, on the "
            "current stream; or a failure.")
       .def("__repr__", &OutputGroup::describe);
+  pybind11::class_<LowLatencyCalls>(m, "LowLatencyCalls",
+                                    "A low-latency plan's eager calls, each checked, allocated and launched in one "
+                                    "binding call (made by low_latency_calls).")
+      .def("dispatch", &LowLatencyCalls::dispatch, pybind11::arg("x"), pybind11::arg("topk_idx"),
+           pybind11::arg("cumulative_local_expert_recv_stats"), pybind11::arg("parity"), pybind11::arg("stream"),
+           "The launched dispatch's outputs [recv_x, (recv_scales,) recv_count, recv_src_info, recv_layout] and its "
+           "token count, or None (nothing launched: take the checked path).")
+      .def("combine", &LowLatencyCalls::combine, pybind11::arg("x"), pybind11::arg("source"), pybind11::arg("topk_idx"),
+           pybind11::arg("topk_weights"), pybind11::arg("out"), pybind11::arg("recv_src_info"),
+           pybind11::arg("recv_layout"), pybind11::arg("num_tokens"), pybind11::arg("parity"), pybind11::arg("stream"),
+           "The launched combine's output, or None (nothing launched: take the checked path).");
+  m.def("low_latency_calls", &make_low_latency_calls, pybind11::arg("dispatch_outputs"), pybind11::arg("combine_output"),
+        pybind11::arg("launchers"), pybind11::arg("runtime"), pybind11::arg("dispatch_args"),
+        pybind11::arg("combine_args"), pybind11::arg("device"), pybind11::arg("num_max_dispatch_tokens_per_rank"),
+        pybind11::arg("hidden"), pybind11::arg("num_topk"), pybind11::arg("num_local_experts"),
+        pybind11::arg("num_ranks"), pybind11::arg("use_fp8"),
+        "The LowLatencyCalls of one low-latency plan (its OutputGroups, _C_nvshmem's launchers capsule, runtime and "
+        "Args templates, sizes); or a failure.");
   m.def("output_group", &make_output_group, pybind11::arg("blocks"), pybind11::arg("device"),
         "An OutputGroup of `blocks`: lists of specs, (sizes, strides or None, dtype) each, whose outputs share "
         "one allocation per block; an extent of -1 is the row count given to its empty(); or a failure.");

@@ -166,6 +166,11 @@ class Buffer:
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
+        # The backend's eager low-latency fast path (backends/low_latency.py), where it has one on a GPU;
+        # checking expert ids on the host (check_inputs) takes the checked path.
+        self._unchecked_low_latency = (
+            self._backend if self.low_latency_mode and device.type == "cuda" and not self._settings.check_inputs
+            and hasattr(self._backend, "unchecked_low_latency_dispatch") else None)
         try:
             self._rank_mask = masking.attach(self._backend, enable_shrink)
         except NotImplementedError:
@@ -211,6 +216,7 @@ class Buffer:
         self._release(collective=True)
 
     def _release(self, collective: bool) -> None:
+        self._unchecked_low_latency = None
         if self._backend is not None:
             self._backend.destroy(collective)
             self._backend = None
@@ -652,7 +658,12 @@ class Buffer:
         self._require_low_latency()
         self._live_backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    @_without_device_mode
+    def _plain_call(self) -> bool:
+        """Whether a low-latency call may take the backend's fast path: the current GPU is the buffer's and
+        no torch-function mode but a default-device one is active (the fast path makes no torch call
+        from Python)."""
+        return _current_device() == self._info.device.index and (not _function_mode_enabled() or _only_device_modes())
+
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
@@ -702,6 +713,25 @@ class Buffer:
             event: completion event (with `async_finish`).
             hook: a callable that completes the receive (with `return_recv_hook`), else None.
         """
+        fast = self._unchecked_low_latency
+        if (fast is not None and topk_weights is None and dispatch_wait_recv_cost_stats is None and not async_finish
+                and not return_recv_hook and self._plain_call()):
+            done = fast.unchecked_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                       cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                                                       use_ue8m0)
+            if done is not None:
+                recv_x, recv_count, inner = done
+                return recv_x, recv_count, LowLatencyHandle(inner), EventOverlap(None), None
+        return self._checked_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                  use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                                                  topk_weights)
+
+    @_without_device_mode
+    def _checked_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                      round_scale, use_ue8m0, async_finish, return_recv_hook, topk_weights):
+        """low_latency_dispatch with every argument checked in Python (a message naming the one that is wrong)."""
         backend = self._low_latency_backend()
         device = self._info.device
         if dispatch_wait_recv_cost_stats is not None:
@@ -747,7 +777,6 @@ class Buffer:
             inner.dispatch_route = DispatchRoute.of(route_idx, topk_weights)
         return recv_x, recv_count, LowLatencyHandle(inner), event, hook
 
-    @_without_device_mode
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: object, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -770,6 +799,19 @@ class Buffer:
             event: completion event (with `async_finish`).
             hook: a callable completing the receive (with `return_recv_hook`), else None.
         """
+        fast = self._unchecked_low_latency
+        if (fast is not None and handle.__class__ is LowLatencyHandle and not use_logfmt and not async_finish
+                and not return_recv_hook and combine_wait_recv_cost_stats is None and self._plain_call()):
+            combined = fast.unchecked_low_latency_combine(x, topk_idx, topk_weights, handle.inner, zero_copy, out)
+            if combined is not None:
+                return combined, EventOverlap(None), None
+        return self._checked_low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                 async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    @_without_device_mode
+    def _checked_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                     return_recv_hook, out, combine_wait_recv_cost_stats):
+        """low_latency_combine with every argument checked in Python (a message naming the one that is wrong)."""
         backend = self._low_latency_backend()
         device = self._info.device
         if use_logfmt:

@@ -398,6 +398,59 @@ def host_errors(ctx: Ctx, case_id: int) -> None:
     buf.low_latency_combine(out, ids, w, handle)  # the round completes on every rank
 
 
+def eager_fast_path(ctx: Ctx, case_id: int) -> None:
+    """Eager calls of sizes an earlier checked dispatch planned take the fast path (backends/low_latency.py:
+    no checked Python path runs) and match the reference, round after round, with and without stats or
+    `out`, and under torch's global default device and dtype; input the fast path does not take (another
+    layout, dtype or size) goes to the checked path: the same result or the same error."""
+    H = 2048
+    ll_case(ctx, case_id, use_fp8=True, H=H)  # plans these sizes (the checked path, or the fast one if planned)
+    native = ctx.native
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checked path ran where the fast path should have")
+
+    native._checked_low_latency_dispatch = native._checked_low_latency_combine = refuse
+    try:
+        for i in range(3):  # both rounds (parities), stats or none, out or none
+            ll_case(ctx, case_id + 1 + i, use_fp8=True, H=H, stats=i != 1, use_out=i == 2)
+        x, ids, weights = make_inputs(ctx, case_id + 4, T_MAX, H, 8, NUM_EXPERTS, "random")
+        want = ctx.reference.low_latency_dispatch(x, ids, T_MAX, NUM_EXPERTS, use_fp8=True)
+        expert_x = expert_outputs(ctx, case_id + 4, want[2].recv_shape, want[1].tolist())
+        torch.set_default_device("cuda")
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            got = native.low_latency_dispatch(x, ids, T_MAX, NUM_EXPERTS, use_fp8=True)
+            combined = native.low_latency_combine(expert_x, ids, weights, got[2])[0]
+        finally:
+            torch.set_default_device(None)
+            torch.set_default_dtype(torch.float32)
+    finally:
+        del native._checked_low_latency_dispatch, native._checked_low_latency_combine
+    compare_dispatch(got, want, True)
+    assert_combined(ctx, combined, expert_x, ids, weights, want[2], False)
+    # Column-major x and ids (DeepGEMM-style layouts): the checked path copies them; the same answer.
+    x_columns, ids_columns = x.t().contiguous().t(), ids.t().contiguous().t()
+    got = native.low_latency_dispatch(x_columns, ids_columns, T_MAX, NUM_EXPERTS, use_fp8=True)
+    compare_dispatch(got, want, True)
+    torch.testing.assert_close(native.low_latency_combine(expert_x, ids_columns, weights, got[2])[0], combined)
+    # Bad input of the planned sizes: the checked path's errors (every rank makes the same bad calls).
+    with pytest.raises(TypeError, match="x must have dtype"):
+        native.low_latency_dispatch(x.float(), ids, T_MAX, NUM_EXPERTS, use_fp8=True)
+    with pytest.raises(TypeError, match="topk_idx must have dtype"):
+        native.low_latency_dispatch(x, ids.int(), T_MAX, NUM_EXPERTS, use_fp8=True)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be a positive int"):
+        native.low_latency_dispatch(x, ids, float(T_MAX), NUM_EXPERTS, use_fp8=True)
+    with pytest.raises(ValueError, match="x must be on"):
+        native.low_latency_dispatch(x.cpu(), ids, T_MAX, NUM_EXPERTS, use_fp8=True)
+    got = native.low_latency_dispatch(x, ids, T_MAX, NUM_EXPERTS, use_fp8=True)
+    with pytest.raises(ValueError, match="topk_weights must have size"):
+        native.low_latency_combine(expert_x, ids, weights[:, :4], got[2])
+    with pytest.raises(TypeError, match="x must have dtype"):
+        native.low_latency_combine(expert_x.float(), ids, weights, got[2])
+    native.low_latency_combine(expert_x, ids, weights, got[2])  # the round completes on every rank
+
+
 def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
     cases = {
         "bf16": lambda: ll_case(ctx, 1),
@@ -428,6 +481,7 @@ def _cases(ctx: Ctx) -> Dict[str, Callable[[], None]]:
         "two_rounds_in_flight": lambda: two_rounds_in_flight(ctx, 24),
         "host_errors": lambda: host_errors(ctx, 25),
         "clean_then_continue": lambda: clean_then_continue(ctx, 26),
+        "eager_fast_path": lambda: eager_fast_path(ctx, 50),
         "cuda_graph_1000_replays": lambda: cuda_graph_replays(ctx, 27, 1000),
         "route_bf16": lambda: ll_case(ctx, 30, route=True),
         "route_fp8": lambda: ll_case(ctx, 31, route=True, use_fp8=True),
@@ -460,7 +514,7 @@ def case_names() -> List[str]:
              "zero_copy_hook_out", "out", "skewed", "one_expert", "minus_one", "unrouted", "zero_tokens_one_rank",
              "zero_tokens_everywhere", "fewer_tokens_than_t_max", "small_t_max", "mask_after_dispatch", "no_stats",
              "topk1", "topk16", "topk32_small_e", "experts8", "two_rounds_in_flight", "host_errors",
-             "clean_then_continue"]
+             "clean_then_continue", "eager_fast_path"]
     names += [f"hidden{H}_{kind}" for H in (2048, 4096, 7168, 1536, 2880) for kind in ("bf16", "fp8", "ue8m0")]
     names += ["cuda_graph_1000_replays", "route_bf16", "route_fp8", "route_ue8m0_hook", "route_zero_copy_hook_out",
               "route_skewed", "route_minus_one", "route_unrouted", "route_zero_tokens_one_rank",

@@ -115,3 +115,43 @@ def test_a_cuda_allocation_too_large_raises_torchs_out_of_memory_error(blocks):
         group.empty(1 << 45)  # 128 TiB
     outputs = group.empty(4)
     assert all(t.device == torch.device("cuda", 0) and t.shape == (4,) for t in outputs)
+
+
+# ---- LowLatencyCalls: the eager low-latency fast path's binding (backends/low_latency.py) -------------
+def low_latency_calls(launchers=None):
+    """The calls of a small plan on the CPU (T_max 4, hidden 16, top-2, 2 local experts, 2 ranks, bf16) with a
+    runtime that is none: whatever reaches the launcher is refused there, launching nothing."""
+    nvshmem = pytest.importorskip("ep_plugin._C_nvshmem")
+    from ep_plugin import _C_torch
+    dispatch_outputs = output_group([[((2, 8, 16), None, torch.bfloat16)],
+                                     [((2,), None, torch.int32), ((2, 8), None, torch.int32),
+                                      ((2, 2), None, torch.int64)]], CPU)
+    combine_output = output_group([[((-1, 16), None, torch.bfloat16)]], CPU)
+    return _C_torch.low_latency_calls(dispatch_outputs.group, combine_output.group,
+                                      nvshmem.low_latency_launchers if launchers is None else launchers, object(),
+                                      nvshmem.DispatchArgs(), nvshmem.CombineArgs(), CPU, 4, 16, 2, 2, 2, False)
+
+
+def test_low_latency_calls_take_only_their_launchers_capsule():
+    kind, message = low_latency_calls(torch.utils.dlpack.to_dlpack(torch.zeros(1)))
+    assert kind == "value" and "ep_plugin._C_nvshmem.low_latency_launchers" in message
+
+
+def test_low_latency_calls_return_none_and_raise_nothing_where_they_cannot_launch():
+    calls = low_latency_calls()
+    x, ids, weights = torch.zeros(3, 16, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2)
+    stats = torch.zeros(2, dtype=torch.int32)
+    dispatches = [(x, ids, None), (x, ids, stats),  # fit: refused by the launcher (no runtime)
+                  (x.float(), ids, None), (x[:, :8], ids, None), (torch.zeros(5, 16, dtype=torch.bfloat16), ids, None),
+                  (x.t().contiguous().t(), ids, None), (x, ids.int(), None), (x, ids[:, :1], None),
+                  (x[:0], ids[:0], None), ("x", ids, None), (x, ids, stats[:1]), (x, ids, "stats")]
+    for args in dispatches:
+        assert calls.dispatch(*args, parity=0, stream=0) is None
+    expert_x, src_info, layout = (torch.zeros(2, 8, 16, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.int32),
+                                  torch.zeros(2, 2, dtype=torch.int64))
+    fitting = dict(x=expert_x, source=expert_x, topk_idx=ids, topk_weights=weights, out=None, recv_src_info=src_info,
+                   recv_layout=layout, num_tokens=3)
+    for change in ({}, {"out": torch.zeros(3, 16, dtype=torch.bfloat16)}, {"x": expert_x.float()},
+                   {"source": expert_x[:1]}, {"topk_weights": weights.double()}, {"topk_idx": ids[:2]},
+                   {"out": torch.zeros(3, 8, dtype=torch.bfloat16)}, {"num_tokens": 0}, {"recv_layout": None}):
+        assert calls.combine(**{**fitting, **change}, parity=1, stream=0) is None

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from .. import fp8, masking
 from .base import DispatchRoute, GroupInfo
-from .native_common import NVSHMEM_IMPORT_ERROR, NativeBase, _C_nvshmem, address_of, logger
+from .native_common import (NVSHMEM_IMPORT_ERROR, NativeBase, _C_nvshmem, _C_torch, address_of, logger,
+                            raise_failure)
 
 if TYPE_CHECKING:
     from .native import NativeBackend
@@ -79,6 +80,9 @@ class LowLatencyPlan:
         self.rank_mask = backend._rank_mask_address()
         self.dispatch_args = self.new_dispatch_args()
         self.combine_args = self.new_combine_args()
+        # The eager fast path's calls (LowLatencyMode.unchecked_low_latency_dispatch); None where this plan's
+        # calls always take the checked path (weights at dispatch: the combine checks their route).
+        self.unchecked = None if with_weights else backend._unchecked_calls(self)
 
     def new_dispatch_args(self):
         """DispatchArgs with this plan's fields set; the per-call ones are the caller's to write."""
@@ -157,6 +161,9 @@ class LowLatencyMode(NativeBase):
     _device_rank_mask: Optional[masking.DeviceRankMask] = None
     # LowLatencyPlan per (T_max, hidden, num_experts, top-k, use_fp8, round_scale, use_ue8m0, with weights).
     _ll_plans: Dict[tuple, LowLatencyPlan]
+    # The plan of the last checked dispatch per (T_max, num_experts, use_fp8, round_scale, use_ue8m0), where
+    # it has unchecked calls: the fast path's (its hidden and top-k are the C++ side's to compare).
+    _ll_unchecked_plans: Dict[tuple, LowLatencyPlan]
 
     @property
     def device_rank_mask(self) -> Optional[masking.DeviceRankMask]:
@@ -167,6 +174,7 @@ class LowLatencyMode(NativeBase):
     def device_rank_mask(self, mask: Optional[masking.DeviceRankMask]) -> None:
         self._device_rank_mask = mask
         self._ll_plans.clear()  # their Args hold the mask's address
+        self._ll_unchecked_plans.clear()
 
     def _rank_mask_address(self) -> int:
         """Device address of the shrink-mode mask for the kernels' Args (0: no mask)."""
@@ -226,6 +234,58 @@ class LowLatencyMode(NativeBase):
             plan = self._ll_plans[key] = LowLatencyPlan(self, *key)
         return plan
 
+    def _unchecked_calls(self, plan: LowLatencyPlan):
+        """`plan`'s calls for the eager fast path (_C_torch.LowLatencyCalls), or None where send and receive
+        launch separately (ranks sharing a GPU)."""
+        if self._ll_split:
+            return None
+        calls = _C_torch.low_latency_calls(
+            plan.dispatch_outputs.group, plan.combine_output.group, _C_nvshmem.low_latency_launchers, self._ll,
+            plan.dispatch_args, plan.combine_args, self.info.device, plan.num_max_dispatch_tokens_per_rank,
+            plan.hidden, plan.num_topk, plan.recv_shape[0], self.info.num_ranks, plan.use_fp8)
+        if calls.__class__ is tuple:
+            raise_failure(calls)
+        return calls
+
+    # ---- the eager fast path ------------------------------------------------------------------------
+    # Buffer's low-latency calls without a hook, async_finish or weights at dispatch, on the current
+    # stream, first try these: the plan of an earlier checked dispatch of the same sizes, its checks in
+    # C++ as booleans, outputs and launch in one binding call (csrc/torch_outputs.cpp), about half the
+    # host time of the checked path. None (nothing launched) sends the call to the checked path, which
+    # raises where the arguments are wrong.
+    def unchecked_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                       cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0):
+        """(recv_x, recv_count, handle), or None where the checked path must run."""
+        if num_max_dispatch_tokens_per_rank.__class__ is not int or num_experts.__class__ is not int:
+            return None  # NOTE: 128.0 would find the plan of 128 (equal keys); the checked path rejects it
+        plan = self._ll_unchecked_plans.get((num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                             use_ue8m0))
+        if plan is None or self.failure is not None:
+            return None
+        parity = self._ll_parity
+        launched = plan.unchecked.dispatch(x, topk_idx, cumulative_local_expert_recv_stats, parity, self._stream())
+        if launched is None:
+            return None
+        self._ll_parity = parity ^ 1
+        outputs, num_tokens = launched
+        if use_fp8:
+            data, scales, recv_count, recv_src_info, recv_layout = outputs
+            recv_x = (data, scales)
+        else:
+            recv_x, recv_count, recv_src_info, recv_layout = outputs
+        return recv_x, recv_count, LowLatencyHandle(self, num_tokens, parity, recv_src_info, recv_layout, plan)
+
+    def unchecked_low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out):
+        """The combined tensor, or None where the checked path must run. `handle`: the backend's."""
+        if handle.__class__ is not LowLatencyHandle or handle.owner is not self or self.failure is not None:
+            return None
+        calls = handle.plan.unchecked
+        source = handle.combine_buffer if zero_copy else x
+        if calls is None or source is None:
+            return None
+        return calls.combine(x, source, topk_idx, topk_weights, out, handle.recv_src_info, handle.recv_layout,
+                             handle.num_tokens, handle.parity, self._stream())
+
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
                              return_recv_hook, topk_weights):
@@ -257,6 +317,9 @@ class LowLatencyMode(NativeBase):
         parity = self._ll_parity
         hook = self._launch_phases(runtime.dispatch, args, parity, return_recv_hook)
         self._ll_parity = parity ^ 1
+        if plan.unchecked is not None:  # the next call of these sizes may take the fast path
+            self._ll_unchecked_plans[(num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                      use_ue8m0)] = plan
         handle = LowLatencyHandle(self, T, parity, recv_src_info, recv_layout, plan)
         return recv_x, recv_count, handle, hook
 

@@ -70,6 +70,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self._ll = None
         self._ll_parity = 0
         self._ll_plans = {}
+        self._ll_unchecked_plans = {}
         self._output_groups = {}  # _output_group's
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None

@@ -58,7 +58,7 @@ OutputSpec = Tuple[Tuple[int, ...], Optional[Tuple[int, ...]], torch.dtype]  # s
 _FAILURES = {"value": ValueError, "out_of_memory": torch.OutOfMemoryError}
 
 
-def _raise_failure(failure: Tuple[str, str]) -> NoReturn:
+def raise_failure(failure: Tuple[str, str]) -> NoReturn:
     """Raise what `_C_torch` reported: it returns its failures (kind, message) and never throws."""
     kind, message = failure
     raise _FAILURES.get(kind, RuntimeError)(message)
@@ -68,21 +68,21 @@ class OutputGroup:
     """A call's outputs on one device, allocated by torch's caching allocator from C++ in one binding call
     (csrc/torch_outputs.cpp); see `output_group`."""
 
-    __slots__ = ("_group",)
+    __slots__ = ("group",)
 
     def __init__(self, group) -> None:
-        self._group = group
+        self.group = group  # _C_torch's
 
     def empty(self, rows: int = 0) -> List[torch.Tensor]:
         """Uninitialised tensors, one per spec in block order, every -1 extent set to `rows`, on the current
         stream; ValueError for negative rows, torch.OutOfMemoryError where the device has no room."""
-        outputs = self._group.empty(rows)
+        outputs = self.group.empty(rows)
         if outputs.__class__ is list:
             return outputs
-        _raise_failure(outputs)
+        raise_failure(outputs)
 
     def __repr__(self) -> str:
-        return repr(self._group)
+        return repr(self.group)
 
 
 def output_group(blocks: Sequence[Sequence[OutputSpec]], device: torch.device) -> OutputGroup:
@@ -91,7 +91,7 @@ def output_group(blocks: Sequence[Sequence[OutputSpec]], device: torch.device) -
     allocation (for outputs that live and die together). ValueError for a bad spec."""
     group = _C_torch.output_group([list(block) for block in blocks], device)
     if group.__class__ is tuple:
-        _raise_failure(group)
+        raise_failure(group)
     return OutputGroup(group)
 
 
