@@ -1,4 +1,5 @@
-// ep_plugin._C_torch: the native backend's outputs, allocated by torch's own allocator from C++.
+// ep_plugin._C_torch: the native backend's outputs, allocated by torch's own allocator from C++, and
+// the eager low-latency fast path (LowLatencyCalls, below), which also launches.
 //
 // An eager call's host time is mostly Python: each torch.empty from Python costs about 4.5 us on an
 // H100 host, and a low-latency dispatch has five outputs. An OutputGroup holds a call's output specs
