@@ -11,12 +11,14 @@ import os
 import random
 import re
 from typing import Callable, Dict, Optional
+from unittest import mock
 
 import pytest
 import torch
 
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer
+from ep_plugin.backends.low_latency import LowLatencyMode
 from ep_plugin.bench import random_routing
 from ep_plugin.launch import parallel_launch
 
@@ -354,3 +356,112 @@ def test_shrink_mode_hands_the_kernels_its_mask():
         assert result["cleaned"] == [0, 0], result
         bad_rank, itself, bad_status = result["errors"]
         assert "rank_to_mask" in bad_rank and "cannot mask itself" in itself and "mask_status" in bad_status, result
+
+
+# ---- the eager fast path's Python side: which calls take it, what it hands the C++ calls -------------
+class RecordingCalls:
+    """A plan's `_C_torch.LowLatencyCalls` on the host: it takes what fits its plan (as the C++ side
+    compares: dtype, shape and contiguity; no launch) and records every call; None for the rest."""
+
+    def __init__(self, plan, log: list) -> None:
+        self.plan, self.log = plan, log
+
+    def dispatch(self, x, topk_idx, stats, parity, stream):
+        fits = (x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.size(0) <= self.plan.num_max_dispatch_tokens_per_rank
+                and x.size(1) == self.plan.hidden and x.is_contiguous() and topk_idx.is_contiguous()
+                and tuple(topk_idx.shape) == (x.size(0), self.plan.num_topk) and topk_idx.dtype == torch.int64)
+        self.log.append(("dispatch", fits, parity))
+        return (self.plan.dispatch_outputs.empty(), x.size(0)) if fits else None
+
+    def combine(self, x, source, topk_idx, topk_weights, out, recv_src_info, recv_layout, num_tokens, parity, stream):
+        fits = x.shape == self.plan.recv_shape and topk_weights.dtype == torch.float32 and x.is_contiguous()
+        self.log.append(("combine", fits, parity, num_tokens, source is x))
+        if not fits:
+            return None
+        return out if out is not None else self.plan.combine_output.empty(num_tokens)[0]
+
+
+def fast_path_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, object]:
+    """Calls one by one, each with what it tried on the fast path (and whether that fitted), the launches
+    of the checked path (the recording runtime's) and whether the round moved."""
+    runtime, log = RecordingLowLatencyRuntime(), []
+    with stand_in_kernels(runtime), mock.patch.object(LowLatencyMode, "_unchecked_calls",
+                                                      lambda backend, plan: RecordingCalls(plan, log)):
+        rdma = Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, num_ranks, NUM_EXPERTS)
+        buffer = Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+        # A CPU buffer has no fast path: open it as a GPU buffer would have it.
+        buffer._unchecked_low_latency, buffer._plain_call = buffer._backend, lambda: True
+        try:
+            ctx = Ctx(rank, num_ranks, buffer, runtime, seed)
+            x, topk_idx = ctx.inputs()
+            weights = torch.rand(x.size(0), TOPK, generator=ctx.gen)
+
+            steps = []
+            for name, call in [
+                ("first of its sizes", lambda: buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)),
+                ("planned", lambda: buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)),
+                ("planned, with stats", lambda: buffer.low_latency_dispatch(
+                    x, topk_idx, T_MAX, NUM_EXPERTS, torch.zeros(ctx.num_local, dtype=torch.int32))),
+                ("T_max as a float", lambda: pytest.raises(ValueError, buffer.low_latency_dispatch, x, topk_idx,
+                                                           float(T_MAX), NUM_EXPERTS)),
+                ("column-major x", lambda: buffer.low_latency_dispatch(x.t().contiguous().t(), topk_idx, T_MAX,
+                                                                       NUM_EXPERTS)),
+                ("hook", lambda: buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                             return_recv_hook=True)[4]()),
+                ("async_finish", lambda: buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                     async_finish=True)),
+                ("weights at dispatch", lambda: buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS,
+                                                                            topk_weights=weights)),
+                ("another hidden", lambda: buffer.low_latency_dispatch(x[:, :HIDDEN // 2].contiguous(), topk_idx,
+                                                                       T_MAX, NUM_EXPERTS)),
+                ("another hidden, planned", lambda: buffer.low_latency_dispatch(
+                    x[:, :HIDDEN // 2].contiguous(), topk_idx, T_MAX, NUM_EXPERTS)),
+            ]:
+                before_log, before_launches, parity = len(log), len(runtime.launches), buffer._backend._ll_parity
+                call()
+                steps.append((name, [entry[:2] for entry in log[before_log:]], len(runtime.launches) - before_launches,
+                              buffer._backend._ll_parity != parity))
+            recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T_MAX, NUM_EXPERTS)
+            dispatch_facts = dict(handle_positions=handle[2:], num_tokens=handle.inner.num_tokens,
+                                  parity=handle.inner.parity, event=event.event, hook=hook,
+                                  recv_x=(recv_x[0].dtype, tuple(recv_x[0].shape), tuple(recv_x[1].shape)),
+                                  count=tuple(recv_count.shape))
+            expert_x = ctx.expert_outputs()
+            before_log, before_launches = len(log), len(runtime.launches)
+            combined, event, hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle)
+            fast_combine = (log[before_log:], len(runtime.launches) - before_launches, tuple(combined.shape), hook)
+            before_log, before_launches = len(log), len(runtime.launches)
+            buffer.low_latency_combine(expert_x, topk_idx, weights, handle, async_finish=True)
+            checked_combine = (log[before_log:], len(runtime.launches) - before_launches)
+            return dict(steps=steps, dispatch=dispatch_facts, fast_combine=fast_combine,
+                        checked_combine=checked_combine, hidden=HIDDEN, num_local=ctx.num_local)
+        finally:
+            buffer.destroy()
+
+
+def test_eager_fast_path_takes_the_planned_plain_calls_and_nothing_else():
+    results = parallel_launch(2, fast_path_worker, BASE_SEED, backend="gloo", timeout_s=120)
+    for result in results:
+        steps = {name: (tried, launched, flipped) for name, tried, launched, flipped in result["steps"]}
+        # (fast-path calls tried, with whether they fitted; checked-path launches; whether the round moved)
+        assert steps["first of its sizes"] == ([], 1, True), steps
+        assert steps["planned"] == ([("dispatch", True)], 0, True), steps
+        assert steps["planned, with stats"] == ([("dispatch", True)], 0, True), steps
+        assert steps["T_max as a float"] == ([], 0, False), steps
+        assert steps["column-major x"] == ([("dispatch", False)], 1, True), steps
+        assert steps["hook"] == ([], 2, True), steps
+        assert steps["async_finish"] == ([], 1, True), steps
+        assert steps["weights at dispatch"] == ([], 1, True), steps
+        assert steps["another hidden"] == ([("dispatch", False)], 1, True), steps
+        assert steps["another hidden, planned"] == ([("dispatch", True)], 0, True), steps
+        facts = result["dispatch"]
+        assert facts["handle_positions"] == (T_MAX, result["hidden"], NUM_EXPERTS), facts
+        assert facts["num_tokens"] == T_MAX - 3 and facts["event"] is None and facts["hook"] is None, facts
+        rows = (result["num_local"], 2 * T_MAX)
+        assert facts["recv_x"] == (torch.float8_e4m3fn, (*rows, result["hidden"]), (*rows, math.ceil(HIDDEN / 128))), facts
+        assert facts["count"] == (result["num_local"],), facts
+        log, launches, shape, hook = result["fast_combine"]
+        assert [entry[:2] for entry in log] == [("combine", True)] and launches == 0, result["fast_combine"]
+        assert log[0][2] == facts["parity"] and log[0][3] == T_MAX - 3 and log[0][4] is True, log
+        assert shape == (T_MAX - 3, result["hidden"]) and hook is None
+        assert result["checked_combine"] == ([], 1), result["checked_combine"]
