@@ -84,6 +84,14 @@ class LowLatencyPlan:
         # calls always take the checked path (weights at dispatch: the combine checks their route).
         self.unchecked = None if with_weights else backend._unchecked_calls(self)
 
+    def dispatch_results(self, outputs):
+        """(recv_x, recv_count, recv_src_info, recv_layout) of a dispatch's outputs (dispatch_outputs' order);
+        recv_x is (data, scales) with FP8."""
+        if self.use_fp8:
+            data, scales, recv_count, recv_src_info, recv_layout = outputs
+            return (data, scales), recv_count, recv_src_info, recv_layout
+        return tuple(outputs)
+
     def new_dispatch_args(self):
         """DispatchArgs with this plan's fields set; the per-call ones are the caller's to write."""
         args = _C_nvshmem.DispatchArgs()
@@ -268,11 +276,7 @@ class LowLatencyMode(NativeBase):
             return None
         self._ll_parity = parity ^ 1
         outputs, num_tokens = launched
-        if use_fp8:
-            data, scales, recv_count, recv_src_info, recv_layout = outputs
-            recv_x = (data, scales)
-        else:
-            recv_x, recv_count, recv_src_info, recv_layout = outputs
+        recv_x, recv_count, recv_src_info, recv_layout = plan.dispatch_results(outputs)
         return recv_x, recv_count, LowLatencyHandle(self, num_tokens, parity, recv_src_info, recv_layout, plan)
 
     def unchecked_low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out):
@@ -293,12 +297,8 @@ class LowLatencyMode(NativeBase):
         T, K = topk_idx.shape
         plan = self._ll_plan((num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, K, use_fp8, round_scale,
                               use_ue8m0, topk_weights is not None))
-        if use_fp8:
-            data, scales, recv_count, recv_src_info, recv_layout = plan.dispatch_outputs.empty()
-            recv_x = (data, scales)
-        else:
-            data, recv_count, recv_src_info, recv_layout = plan.dispatch_outputs.empty()
-            recv_x, scales = data, None
+        recv_x, recv_count, recv_src_info, recv_layout = plan.dispatch_results(plan.dispatch_outputs.empty())
+        data, scales = recv_x if use_fp8 else (recv_x, None)
 
         # A hook launches later, with the Args of its own call: it gets Args of its own.
         args = plan.new_dispatch_args() if return_recv_hook else plan.dispatch_args
