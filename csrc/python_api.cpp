@@ -43,6 +43,23 @@ void get_dispatch_layout(uintptr_t topk_idx, int num_tokens, int num_topk, int n
   launch_dispatch_layout(args, as_stream(stream));
 }
 
+// The layout fast path's launcher (common/layout_launcher.h): launches nothing where the runtime holds a
+// device error or an earlier CUDA call left one (the checked path then reports it), so that false always
+// means nothing was launched.
+bool launch_layout_unchecked(void* runtime_object, const LayoutArgs& args, uintptr_t stream) noexcept {
+  try {
+    const py::handle runtime(static_cast<PyObject*>(runtime_object));
+    if (!runtime.is_none()) runtime.cast<const IntranodeRuntime&>().check_device_error();
+    if (cudaPeekAtLastError() != cudaSuccess) return false;
+    launch_dispatch_layout(args, as_stream(stream));  // its checks come before the launch
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+const layout::LayoutLauncher kLayoutLauncher{&launch_layout_unchecked};
+
 void gather_sum_rows(uintptr_t rows, uintptr_t index, uintptr_t out, int64_t num_out_rows, int num_slots,
                      int hidden, int num_sms, uintptr_t stream) {
   GatherSumArgs args{};
@@ -306,6 +323,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stream"),
         "One kernel launch that writes every entry of the outputs (api.cuh LayoutArgs); num_tokens_per_rank or "
         "num_tokens_per_node 0: not written. By position on the host's hot path (cheaper than by name).");
+
+  // NOTE: const_cast: a capsule holds a void*; the launcher is only read (by ep_plugin._C_torch).
+  m.attr("layout_launcher") = py::capsule(const_cast<layout::LayoutLauncher*>(&kLayoutLauncher),
+                                          layout::kLayoutLauncherName);
 
   m.def("gather_sum_rows", &gather_sum_rows, py::arg("rows"), py::arg("index"), py::arg("out"),
         py::arg("num_out_rows"), py::arg("num_slots"), py::arg("hidden"), py::arg("num_sms"), py::arg("stream"),

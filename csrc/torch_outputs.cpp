@@ -1,5 +1,6 @@
 // ep_plugin._C_torch: the native backend's outputs, allocated by torch's own allocator from C++, and
-// the eager low-latency fast path (LowLatencyCalls, below), which also launches.
+// the eager fast paths of the low-latency calls and of get_dispatch_layout (LowLatencyCalls and
+// LayoutCalls, below), which also launch.
 //
 // An eager call's host time is mostly Python: each torch.empty from Python costs about 4.5 us on an
 // H100 host, and a low-latency dispatch has five outputs. An OutputGroup holds a call's output specs
@@ -28,6 +29,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/layout_launcher.h"
 #include "common/low_latency_launchers.h"
 
 namespace {
@@ -196,6 +198,8 @@ std::variant<std::vector<at::Tensor>, Failure> empty_outputs(const OutputGroup& 
 // or launch) returns None having launched nothing; the checked Python path then runs the call and
 // raises its error where there is one, so every message lives in one place.
 namespace ll = ep_plugin::low_latency;
+namespace layout = ep_plugin::layout;
+using ep_plugin::LayoutArgs;
 
 // `call()`'s result, or None where it threw: every step that can throw comes before the launch, so a
 // None has launched nothing.
@@ -341,6 +345,79 @@ std::variant<LowLatencyCalls, Failure> make_low_latency_calls(
                          LowLatencySizes{num_max_tokens, hidden, num_topk, num_local_experts, num_ranks, use_fp8});
 }
 
+// ---- the eager fast path of get_dispatch_layout ---------------------------------------------------
+// As LowLatencyCalls: the checks as booleans, the outputs, the launch through _C's launcher
+// (common/layout_launcher.h), in one binding call; None (nothing launched) sends the call to the checked path.
+struct LayoutSizes {
+  int64_t num_experts, num_ranks, ranks_per_node, max_topk;
+  bool counts_nodes;  // the outputs include num_tokens_per_node (ranks on several nodes)
+};
+
+class LayoutCalls {
+ public:
+  LayoutCalls(pybind11::object outputs, const layout::LayoutLauncher* launcher, pybind11::object runtime,
+              const at::Device& device, const LayoutSizes& sizes)
+      : outputs_(std::move(outputs)), launcher_(launcher), runtime_(std::move(runtime)), device_(device), sizes_(sizes) {}
+
+  // (num_tokens_per_rank, num_tokens_per_node or None, num_tokens_per_expert, is_token_in_rank) of a launched
+  // layout kernel, or None.
+  pybind11::object layout(pybind11::handle topk_idx_object, uintptr_t stream) const {
+    return none_if_thrown([&] { return launch(topk_idx_object, stream); });
+  }
+
+ private:
+  pybind11::object launch(pybind11::handle topk_idx_object, uintptr_t stream) const {
+    const auto topk_idx = tensor_of(topk_idx_object);
+    if (!topk_idx || topk_idx->dim() != 2) return pybind11::none();
+    const int64_t num_tokens = topk_idx->size(0), num_topk = topk_idx->size(1);
+    if (num_topk < 1 || num_topk > sizes_.max_topk || num_tokens > INT32_MAX ||
+        !is_plain(*topk_idx, device_, at::kLong, {num_tokens, num_topk}))
+      return pybind11::none();
+    auto outputs = without_throwing([&] { return outputs_.cast<const OutputGroup&>().empty(num_tokens); });
+    if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
+    const std::vector<at::Tensor>& made = std::get<0>(outputs);
+    const at::Tensor& per_rank = made[0];
+    const at::Tensor* per_node = sizes_.counts_nodes ? &made[1] : nullptr;
+    const at::Tensor& per_expert = made[sizes_.counts_nodes ? 2 : 1];
+    const at::Tensor& in_rank = made.back();
+    LayoutArgs args{};
+    args.topk_idx = topk_idx->data_ptr<int64_t>();
+    args.num_tokens = static_cast<int>(num_tokens);
+    args.num_topk = static_cast<int>(num_topk);
+    args.num_experts = static_cast<int>(sizes_.num_experts);
+    args.num_ranks = static_cast<int>(sizes_.num_ranks);
+    args.ranks_per_node = static_cast<int>(sizes_.ranks_per_node);
+    args.num_tokens_per_expert = per_expert.data_ptr<int32_t>();
+    args.num_tokens_per_rank = per_rank.data_ptr<int32_t>();
+    args.num_tokens_per_node = per_node == nullptr ? nullptr : per_node->data_ptr<int32_t>();
+    args.is_token_in_rank = in_rank.data_ptr<bool>();
+    // NOTE: the Python result first: once the kernel is queued, nothing may fail (None would run it twice).
+    pybind11::object result = pybind11::make_tuple(per_rank, per_node == nullptr ? pybind11::none() : pybind11::cast(*per_node),
+                                                   per_expert, in_rank);
+    if (!launcher_->launch(runtime_.ptr(), args, stream)) return pybind11::none();
+    return result;
+  }
+
+  pybind11::object outputs_;  // an OutputGroup: per rank, (per node,) per expert, in rank
+  const layout::LayoutLauncher* launcher_;
+  pybind11::object runtime_;  // _C's IntranodeRuntime, or None
+  at::Device device_;
+  LayoutSizes sizes_;
+};
+
+std::variant<LayoutCalls, Failure> make_layout_calls(pybind11::object outputs, pybind11::capsule launcher,
+                                                     pybind11::object runtime, const at::Device& device,
+                                                     int64_t num_experts, int64_t num_ranks, int64_t ranks_per_node,
+                                                     int64_t max_topk, bool counts_nodes) {
+  if (!pybind11::isinstance<OutputGroup>(outputs)) return Failure{"value", "layout_calls: outputs must be an OutputGroup"};
+  if (!PyCapsule_IsValid(launcher.ptr(), layout::kLayoutLauncherName))
+    return Failure{"value", std::string("layout_calls: launcher must be the capsule ") + layout::kLayoutLauncherName};
+  const auto* table = static_cast<const layout::LayoutLauncher*>(PyCapsule_GetPointer(launcher.ptr(),
+                                                                                     layout::kLayoutLauncherName));
+  return LayoutCalls(std::move(outputs), table, std::move(runtime), device,
+                     LayoutSizes{num_experts, num_ranks, ranks_per_node, max_topk, counts_nodes});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -370,6 +447,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("num_ranks"), pybind11::arg("use_fp8"),
         "The LowLatencyCalls of one low-latency plan (its OutputGroups, _C_nvshmem's launchers capsule, runtime and "
         "Args templates, sizes); or a failure.");
+  pybind11::class_<LayoutCalls>(m, "LayoutCalls",
+                                "get_dispatch_layout's eager calls for one expert count, each checked, allocated and "
+                                "launched in one binding call (made by layout_calls).")
+      .def("layout", &LayoutCalls::layout, pybind11::arg("topk_idx"), pybind11::arg("stream"),
+           "The launched layout's (num_tokens_per_rank, num_tokens_per_node or None, num_tokens_per_expert, "
+           "is_token_in_rank), or None (nothing launched: take the checked path).");
+  m.def("layout_calls", &make_layout_calls, pybind11::arg("outputs"), pybind11::arg("launcher"),
+        pybind11::arg("runtime"), pybind11::arg("device"), pybind11::arg("num_experts"), pybind11::arg("num_ranks"),
+        pybind11::arg("ranks_per_node"), pybind11::arg("max_topk"), pybind11::arg("counts_nodes"),
+        "The LayoutCalls of one expert count (its OutputGroup, _C's layout_launcher capsule, the IntranodeRuntime "
+        "or None, sizes); or a failure.");
   m.def("output_group", &make_output_group, pybind11::arg("blocks"), pybind11::arg("device"),
         "An OutputGroup of `blocks`: lists of specs, (sizes, strides or None, dtype) each, whose outputs share "
         "one allocation per block; an extent of -1 is the row count given to its empty(); or a failure.");

@@ -166,11 +166,12 @@ class Buffer:
         self._backend: Optional[Backend] = select_backend(self._info, self._settings, num_nvl_bytes,
                                                           num_rdma_bytes, self.low_latency_mode)
         self.backend_name = self._backend.name
-        # The backend's eager low-latency fast path (backends/low_latency.py), where it has one on a GPU;
-        # checking expert ids on the host (check_inputs) takes the checked path.
+        # The backend's eager fast paths (backends/low_latency.py, backends/intranode.py), where it has them on
+        # a GPU; checking expert ids on the host (check_inputs) takes the checked path.
+        fast = self._backend if device.type == "cuda" and not self._settings.check_inputs else None
         self._unchecked_low_latency = (
-            self._backend if self.low_latency_mode and device.type == "cuda" and not self._settings.check_inputs
-            and hasattr(self._backend, "unchecked_low_latency_dispatch") else None)
+            fast if self.low_latency_mode and hasattr(fast, "unchecked_low_latency_dispatch") else None)
+        self._unchecked_layout = fast if hasattr(fast, "unchecked_dispatch_layout") else None
         try:
             self._rank_mask = masking.attach(self._backend, enable_shrink)
         except NotImplementedError:
@@ -216,7 +217,7 @@ class Buffer:
         self._release(collective=True)
 
     def _release(self, collective: bool) -> None:
-        self._unchecked_low_latency = None
+        self._unchecked_low_latency = self._unchecked_layout = None
         if self._backend is not None:
             self._backend.destroy(collective)
             self._backend = None
@@ -393,7 +394,6 @@ class Buffer:
         return self._info.device
 
     # ---- normal mode -------------------------------------------------------------------------
-    @_without_device_mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -412,6 +412,18 @@ class Buffer:
             is_token_in_rank: `[T, R]` bool, whether token t goes to rank r.
             event: completion event (meaningful with `async_finish`).
         """
+        fast = self._unchecked_layout
+        if (fast is not None and previous_event is None and not async_finish and not allocate_on_comm_stream
+                and self._plain_call()):
+            done = fast.unchecked_dispatch_layout(topk_idx, num_experts)
+            if done is not None:
+                return (*done, EventOverlap(None))
+        return self._checked_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                             allocate_on_comm_stream)
+
+    @_without_device_mode
+    def _checked_dispatch_layout(self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
+        """get_dispatch_layout with every argument checked in Python (a message naming the one that is wrong)."""
         backend = self._live_backend()
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk("topk_idx", topk_idx, None, self._device())
@@ -659,7 +671,7 @@ class Buffer:
         self._live_backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _plain_call(self) -> bool:
-        """Whether a low-latency call may take the backend's fast path: the current GPU is the buffer's and
+        """Whether a call may take the backend's fast path: the current GPU is the buffer's and
         no torch-function mode but a default-device one is active (the fast path makes no torch call
         from Python)."""
         return _current_device() == self._info.device.index and (not _function_mode_enabled() or _only_device_modes())

@@ -346,6 +346,7 @@ def test_destroying_a_failed_native_backend_waits_for_no_peer(monkeypatch):
         backend = object.__new__(native.NativeBackend)
         backend.info = SimpleNamespace(device="cuda:0", group="the group")
         backend._runtime, backend._net, backend._ll = _FakeRuntime(), None, None
+        backend._layout_calls = {}
         backend._runtime.report = report
         return backend
 

@@ -16,9 +16,12 @@ import torch
 
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer, Config
+from ep_plugin.backends import intranode as intranode_module
+from ep_plugin.backends.intranode import IntranodeMode
 from ep_plugin.bench import random_routing
 from ep_plugin.handles import unwrap
 from ep_plugin.launch import parallel_launch
+from ep_plugin.tuning import MAX_TOPK
 
 pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
 from stand_in_native import RecordingIntranodeRuntime, StandInLowLatencyRuntime, stand_in_kernels  # noqa: E402
@@ -257,6 +260,78 @@ def case_bad_input_launches_nothing(ctx: Ctx) -> None:
         with pytest.raises(error, match=message):
             call()
     assert len(ctx.runtime().launches) == count, "a rejected call must launch no kernel"
+
+
+class RecordingLayoutCalls:
+    """An expert count's `_C_torch.LayoutCalls` on the host: it takes what the C++ side takes (contiguous
+    int64 [T, K], K in [1, MAX_TOPK]; no launch) and records every call; None for the rest."""
+
+    def __init__(self, outputs, num_experts: int, log: list) -> None:
+        self.outputs, self.num_experts, self.log = outputs, num_experts, log
+
+    def layout(self, topk_idx, stream):
+        fits = (topk_idx.dtype == torch.int64 and topk_idx.dim() == 2 and topk_idx.is_contiguous()
+                and 1 <= topk_idx.size(1) <= MAX_TOPK)
+        self.log.append((self.num_experts, fits))
+        if not fits:
+            return None
+        per_rank, per_expert, in_rank = self.outputs.empty(topk_idx.size(0))
+        return per_rank, None, per_expert, in_rank
+
+
+def case_layout_fast_path(ctx: Ctx) -> None:
+    """get_dispatch_layout: after one checked call of an expert count, its plain calls take the fast path
+    (backends/intranode.py) and nothing else does; what the fast path refuses runs on the checked path."""
+    buffer = ctx.buffers["rings"]
+    backend = buffer._backend
+    log, checked = [], []
+    kernel = intranode_module._C.get_dispatch_layout
+
+    def checked_kernel(*args):
+        checked.append(args[3])  # num_experts
+        return kernel(*args)
+
+    _, topk_idx, _ = ctx.inputs()
+    experts = 2 * NUM_EXPERTS  # an expert count no other case plans
+    steps = []
+    with mock.patch.object(IntranodeMode, "_make_layout_calls",
+                           lambda self, outputs, num_experts: RecordingLayoutCalls(outputs, num_experts, log)), \
+            mock.patch.object(intranode_module._C, "get_dispatch_layout", checked_kernel):
+        # A CPU buffer has no fast path: open it as a GPU buffer would have it.
+        buffer._unchecked_layout, buffer._plain_call = backend, lambda: True
+        try:
+            for name, call in [
+                ("first of its expert count", lambda: buffer.get_dispatch_layout(topk_idx, experts)),
+                ("planned", lambda: buffer.get_dispatch_layout(topk_idx, experts)),
+                ("column-major ids", lambda: buffer.get_dispatch_layout(topk_idx.t().contiguous().t(), experts)),
+                ("async_finish", lambda: buffer.get_dispatch_layout(topk_idx, experts, async_finish=True)),
+                ("previous_event", lambda: buffer.get_dispatch_layout(topk_idx, experts,
+                                                                      previous_event=buffer.capture())),
+                ("num_experts as a float", lambda: pytest.raises(ValueError, buffer.get_dispatch_layout, topk_idx,
+                                                                 float(experts))),
+                ("another expert count", lambda: buffer.get_dispatch_layout(topk_idx, experts // 2)),
+            ]:
+                before_log, before_checked = len(log), len(checked)
+                result = call()
+                steps.append((name, log[before_log:], checked[before_checked:]))
+                if name == "planned":
+                    planned = result
+        finally:
+            buffer._unchecked_layout = None
+            del buffer._plain_call
+    steps = {name: (tried, ran) for name, tried, ran in steps}
+    # (fast-path calls tried, with whether they fitted; the checked path's kernel launches, by expert count)
+    assert steps["first of its expert count"] == ([], [experts]), steps
+    assert steps["planned"] == ([(experts, True)], []), steps
+    assert steps["column-major ids"] == ([(experts, False)], [experts]), steps
+    assert steps["async_finish"] == ([], [experts]), steps
+    assert steps["previous_event"] == ([], [experts]), steps
+    assert steps["num_experts as a float"] == ([], []), steps
+    assert steps["another expert count"] == ([], [experts // 2]), steps
+    per_rank, per_node, per_expert, in_rank, event = planned
+    assert per_node is None and event.event is None
+    assert (per_rank.shape, per_expert.shape, in_rank.shape) == ((ctx.num_ranks,), (experts,), (T, ctx.num_ranks))
+    assert (per_rank.dtype, per_expert.dtype, in_rank.dtype) == (torch.int32, torch.int32, torch.bool)
 
 
 CASES = [name for name in globals() if name.startswith("case_")]

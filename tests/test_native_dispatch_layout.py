@@ -150,3 +150,71 @@ def backend_rank(rank: int, R: int, group, seed: int) -> bool:
 @needs_ranks(RANKS)
 def test_backend_layout_in_poisoned_memory():
     assert parallel_launch(RANKS, backend_rank, random.randrange(1 << 30)) == [True] * RANKS
+
+
+# ---- Buffer's eager fast path (backends/intranode.py, csrc/torch_outputs.cpp LayoutCalls) ---------------
+def refuse(*args, **kwargs):
+    raise AssertionError("the checked path ran where the fast path should have")
+
+
+def fast_path_rank(rank: int, R: int, group, seed: int) -> bool:
+    """After one checked call of an expert count, Buffer's plain calls of that count take the fast path (the
+    checked path forbidden) and match the reference in poisoned memory, under torch's global default device
+    and dtype too; calls it does not take (another layout or dtype, an event, async_finish) go to the checked
+    path: the same answer or the same error."""
+    num_nvl_bytes = Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, R)
+    native = Buffer(group, num_nvl_bytes, explicitly_destroy=True, config={"backend": "native"})
+    generator = torch.Generator().manual_seed(seed + rank)
+
+    def fresh_ids(T: int, K: int, E: int) -> torch.Tensor:
+        ids = random_ids(T, K, E, R, "random", generator)
+        return torch.where(ids < E, ids.clamp(min=-1), -1).cuda()  # Buffer's ids: -1 or an expert
+
+    def check(name: str, got, ids: torch.Tensor, E: int) -> None:
+        for part, got_one, want_one in zip(NAMES, got[:4], dispatch_layout(ids, E, R, R)):
+            assert_same(f"{name}: {part} (E {E}, seed {seed})", got_one, want_one)
+
+    for T, K, E in BACKEND_CASES:
+        native.get_dispatch_layout(fresh_ids(T, K, E), E)  # the checked path: it makes E's fast calls
+        native._checked_dispatch_layout = refuse
+        try:
+            for global_defaults in (False, True):
+                ids = fresh_ids(T, K, E)
+                pool = torch.cuda.MemPool()
+                with torch.cuda.use_mem_pool(pool):
+                    poison_pool()
+                    if global_defaults:
+                        torch.set_default_device("cuda")
+                        torch.set_default_dtype(torch.bfloat16)
+                    try:
+                        got = native.get_dispatch_layout(ids, E)
+                    finally:
+                        torch.set_default_device(None)
+                        torch.set_default_dtype(torch.float32)
+                assert got[4].event is None
+                check(f"fast path, T {T}, K {K}, global defaults {global_defaults}", got, ids, E)
+        finally:
+            del native._checked_dispatch_layout
+    E = 256
+    ids = fresh_ids(300, 8, E)
+    for name, call in [("column-major ids", lambda: native.get_dispatch_layout(ids.t().contiguous().t(), E)),
+                       ("async_finish", lambda: native.get_dispatch_layout(ids, E, async_finish=True)),
+                       ("allocate_on_comm_stream", lambda: native.get_dispatch_layout(
+                           ids, E, previous_event=native.capture(), allocate_on_comm_stream=True))]:
+        got = call()
+        got[4].current_stream_wait()
+        check(name, got, ids, E)
+    with pytest.raises(TypeError, match="topk_idx must have dtype"):
+        native.get_dispatch_layout(ids.int(), E)
+    with pytest.raises(ValueError, match="top-k must be in"):
+        native.get_dispatch_layout(torch.zeros(4, 33, dtype=torch.int64, device="cuda"), E)
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        native.get_dispatch_layout(ids, float(E))
+    torch.cuda.synchronize()
+    native.destroy()
+    return True
+
+
+@needs_ranks(RANKS)
+def test_eager_fast_path_matches_the_reference_and_leaves_the_rest_to_the_checked_path():
+    assert parallel_launch(RANKS, fast_path_rank, random.randrange(1 << 30)) == [True] * RANKS

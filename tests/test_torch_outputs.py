@@ -155,3 +155,32 @@ def test_low_latency_calls_return_none_and_raise_nothing_where_they_cannot_launc
                    {"source": expert_x[:1]}, {"topk_weights": weights.double()}, {"topk_idx": ids[:2]},
                    {"out": torch.zeros(3, 8, dtype=torch.bfloat16)}, {"num_tokens": 0}, {"recv_layout": None}):
         assert calls.combine(**{**fitting, **change}, parity=1, stream=0) is None
+
+
+# ---- LayoutCalls: get_dispatch_layout's fast path binding (backends/intranode.py) --------------------------
+def layout_calls(launcher=None, counts_nodes: bool = False):
+    """The calls of 8 experts on 2 ranks on the CPU with a runtime that is not one: whatever reaches the
+    launcher is refused there, launching nothing."""
+    from ep_plugin import _C, _C_torch
+    from ep_plugin.tuning import MAX_TOPK
+    per_node = [((1,), None, torch.int32)] if counts_nodes else []
+    outputs = output_group([[((2,), None, torch.int32), *per_node, ((8,), None, torch.int32),
+                             ((-1, 2), None, torch.bool)]], CPU)
+    return _C_torch.layout_calls(outputs.group, _C.layout_launcher if launcher is None else launcher, object(), CPU,
+                                 8, 2, 1 if counts_nodes else 2, MAX_TOPK, counts_nodes)
+
+
+def test_layout_calls_take_only_their_launcher_capsule():
+    nvshmem = pytest.importorskip("ep_plugin._C_nvshmem")
+    kind, message = layout_calls(nvshmem.low_latency_launchers)
+    assert kind == "value" and "ep_plugin._C.layout_launcher" in message
+
+
+@pytest.mark.parametrize("counts_nodes", [False, True], ids=["one_node", "two_nodes"])
+def test_layout_calls_return_none_and_raise_nothing_where_they_cannot_launch(counts_nodes):
+    calls = layout_calls(counts_nodes=counts_nodes)
+    ids = torch.zeros(5, 4, dtype=torch.int64)
+    for topk_idx in [ids, ids[:0],  # fit: refused by the launcher (no runtime)
+                     ids.int(), ids[0], ids[None], ids.t().contiguous().t(), ids[:, :0],
+                     torch.zeros(5, 33, dtype=torch.int64), "ids", None]:
+        assert calls.layout(topk_idx, 0) is None

@@ -5,20 +5,12 @@
 
 #include <cstdint>
 
+#include "../common/layout_launcher.h"
 #include "../common/status.h"
 
 namespace ep_plugin {
 
-// ---- get_dispatch_layout (layout.cu) ------------------------------------------------------------
-struct LayoutArgs {
-  const int64_t* topk_idx;          // [T, K]
-  int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
-  // Every entry of the outputs is written by the kernel (no zeroing before it).
-  int32_t* num_tokens_per_expert;   // [E]: ids of each expert (out-of-range ids skipped)
-  int32_t* num_tokens_per_rank;     // [R]: tokens with an id on each rank, or nullptr: not written
-  int32_t* num_tokens_per_node;     // [R / ranks_per_node], or nullptr: not counted
-  bool* is_token_in_rank;           // [T, R]
-};
+// ---- get_dispatch_layout (layout.cu; LayoutArgs in ../common/layout_launcher.h) -----------------
 void launch_dispatch_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // ---- gather_sum_rows (permute.cu) ---------------------------------------------------------------

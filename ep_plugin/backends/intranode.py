@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ..output_region import OutputRegion, _from_dlpack
-from ..tuning import Config, output_region_bytes, staging_bytes
-from .native_common import NativeBase, _C, address_of, local_experts
+from ..tuning import MAX_TOPK, Config, output_region_bytes, staging_bytes
+from .native_common import NativeBase, OutputGroup, _C, _C_torch, address_of, local_experts, raise_failure
 
 if TYPE_CHECKING:
     from .native import NativeBackend
@@ -115,22 +115,50 @@ class IntranodeMode(NativeBase):
             self._runtime.check_device_error()  # a failed Buffer raises before any kernel runs
         T, K = topk_idx.shape
         info = self.info
-        R = info.num_ranks
+        outputs = self._layout_outputs(num_experts)
         # NOTE: the outputs in one binding call and one allocation, and the kernel by position: the fewest
         # Python operations (host time of an eager call). The kernel writes every entry.
-        per_rank_spec, per_expert_spec = ((R,), None, torch.int32), ((num_experts,), None, torch.int32)
-        in_rank_spec = ((-1, R), None, torch.bool)
         if info.is_intranode:
-            per_rank, per_expert, in_rank = self._output_group(
-                (per_rank_spec, per_expert_spec, in_rank_spec)).empty(T)
+            per_rank, per_expert, in_rank = outputs.empty(T)
             per_node = None
         else:
-            per_rank, per_node, per_expert, in_rank = self._output_group(
-                (per_rank_spec, ((info.num_nodes,), None, torch.int32), per_expert_spec, in_rank_spec)).empty(T)
-        _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, R, info.ranks_per_node, per_rank.data_ptr(),
-                               0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
-                               in_rank.data_ptr(), self._stream())
+            per_rank, per_node, per_expert, in_rank = outputs.empty(T)
+        _C.get_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, info.num_ranks, info.ranks_per_node,
+                               per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
+                               per_expert.data_ptr(), in_rank.data_ptr(), self._stream())
+        if num_experts not in self._layout_calls:
+            self._layout_calls[num_experts] = self._make_layout_calls(outputs, num_experts)
         return per_rank, per_node, per_expert, in_rank
+
+    def _layout_outputs(self, num_experts: int) -> OutputGroup:
+        """get_dispatch_layout's outputs, one allocation: per rank, (per node across nodes,) per expert, in rank."""
+        info = self.info
+        R = info.num_ranks
+        per_node = (((info.num_nodes,), None, torch.int32),) if not info.is_intranode else ()
+        return self._output_group((((R,), None, torch.int32), *per_node, ((num_experts,), None, torch.int32),
+                                   ((-1, R), None, torch.bool)))
+
+    def _make_layout_calls(self, outputs: OutputGroup, num_experts: int):
+        info = self.info
+        calls = _C_torch.layout_calls(outputs.group, _C.layout_launcher, self._runtime, info.device, num_experts,
+                                      info.num_ranks, info.ranks_per_node, MAX_TOPK, not info.is_intranode)
+        if calls.__class__ is tuple:
+            raise_failure(calls)
+        return calls
+
+    # ---- the eager fast path --------------------------------------------------------------------------
+    # Buffer's get_dispatch_layout without an event, async_finish or allocate_on_comm_stream first tries
+    # this: the LayoutCalls that a checked call of the same expert count made, its checks in C++ as
+    # booleans, outputs and launch in one binding call (csrc/torch_outputs.cpp). None (nothing launched)
+    # sends the call to the checked path, which raises where the arguments are wrong.
+    def unchecked_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """get_dispatch_layout's four outputs, or None where the checked path must run."""
+        if num_experts.__class__ is not int:
+            return None  # NOTE: 256.0 would find the calls of 256 (equal keys); the checked path rejects it
+        calls = self._layout_calls.get(num_experts)
+        if calls is None or self.failure is not None:
+            return None
+        return calls.layout(topk_idx, self._stream())
 
     def _node_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                        expert_alignment, num_worst_tokens, config: Config):

@@ -72,6 +72,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self._ll_plans = {}
         self._ll_unchecked_plans = {}
         self._output_groups = {}  # _output_group's
+        self._layout_calls = {}  # get_dispatch_layout's fast path: _C_torch.LayoutCalls per expert count
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0
@@ -128,6 +129,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         # Buffer's peers may be gone: no barrier (a live peer's kernels end within timeout_s).
         if collective and self.failure is None:
             dist.barrier(group=self.info.group)
+        self._layout_calls.clear()  # they hold the runtime
         if self._runtime is not None:
             self._runtime.destroy()
         if self._net is not None:
