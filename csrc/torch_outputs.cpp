@@ -275,9 +275,7 @@ class LowLatencyCalls {
       if (!given || !is_plain(*given, device_, at::kInt, {sizes_.num_local_experts})) return pybind11::none();
       stats = given->data_ptr<int32_t>();
     }
-    auto outputs = without_throwing([&] { return dispatch_outputs_.cast<const OutputGroup&>().empty(0); });
-    if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
-    const std::vector<at::Tensor>& made = std::get<0>(outputs);
+    const std::vector<at::Tensor> made = dispatch_outputs_.cast<const OutputGroup&>().empty(0);
     const size_t first_after_rows = sizes_.use_fp8 ? 2 : 1;  // [rows, (scales,) count, src_info, layout]
     const ll::DispatchCall call{x->data_ptr(), topk_idx->data_ptr<int64_t>(), static_cast<int>(num_tokens),
                                 made[0].data_ptr(), sizes_.use_fp8 ? made[1].data_ptr() : nullptr,
@@ -306,9 +304,7 @@ class LowLatencyCalls {
       return pybind11::none();
     at::Tensor combined;
     if (out_object.is_none()) {
-      auto outputs = without_throwing([&] { return combine_output_.cast<const OutputGroup&>().empty(num_tokens); });
-      if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
-      combined = std::get<0>(outputs).front();
+      combined = combine_output_.cast<const OutputGroup&>().empty(num_tokens).front();
     } else {
       const auto out = tensor_of(out_object);
       if (!out || !is_plain(*out, device_, at::kBFloat16, {num_tokens, sizes_.hidden})) return pybind11::none();
@@ -373,9 +369,7 @@ class LayoutCalls {
     if (num_topk < 1 || num_topk > sizes_.max_topk || num_tokens > INT32_MAX ||
         !is_plain(*topk_idx, device_, at::kLong, {num_tokens, num_topk}))
       return pybind11::none();
-    auto outputs = without_throwing([&] { return outputs_.cast<const OutputGroup&>().empty(num_tokens); });
-    if (std::holds_alternative<Failure>(outputs)) return pybind11::none();
-    const std::vector<at::Tensor>& made = std::get<0>(outputs);
+    const std::vector<at::Tensor> made = outputs_.cast<const OutputGroup&>().empty(num_tokens);
     const at::Tensor& per_rank = made[0];
     const at::Tensor* per_node = sizes_.counts_nodes ? &made[1] : nullptr;
     const at::Tensor& per_expert = made[sizes_.counts_nodes ? 2 : 1];
