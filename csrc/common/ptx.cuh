@@ -184,4 +184,13 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
 #endif
 
+// Asks L2 for `bytes` at `at` (a hint: no data comes back, nothing waits; nothing before sm_90). A warp
+// reads a row in several batches of loads; with the row on its way to L2, every batch after the first
+// finds it there.
+__device__ __forceinline__ void prefetch_to_l2(const void* at, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
+#endif
+}
+
 }  // namespace ep_plugin

@@ -111,14 +111,6 @@ __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* 
   }
 }
 
-// Asks L2 for `bytes` at `at` (a hint: no data comes back, nothing waits). A warp sums a row in several
-// batches of loads; with the row on its way to L2, every batch after the first finds it there.
-__device__ __forceinline__ void prefetch_to_l2(const void* at, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
-#endif
-}
-
 // What lane s (a source rank) knows about source s's rows in this combine.
 struct SourceState {
   bool known = false;  // base and rows read from the header
