@@ -1,0 +1,249 @@
+// Bytes an SM moves per second, by how it moves them: 16-byte register loads/stores by threads and
+// depth, and bulk (TMA) copies through shared memory by pipeline shape; locally, into the peer, and
+// into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate
+//
+// Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "common/ptx.cuh"
+
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    cudaError_t err_ = (call);                                                           \
+    if (err_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+namespace {
+
+using namespace ep_plugin;
+
+constexpr int kRowBytes = 14336;  // 7168 bf16 values
+constexpr int kRows = 4096;
+
+enum Mode { kCopy, kReadOnly, kWriteOnly };
+
+// Warp w takes rows w, w + W, ...; a lane moves kUnroll 16-byte units per step, loads before stores,
+// to dst0 and (if set) dst1.
+template <int kUnroll, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1) register_rows(int4* dst0, int4* dst1, const int4* src, int mode, int4* sink) {
+  constexpr int kUnits = kRowBytes / 16;
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  int4 acc = make_int4(0, 0, 0, 0);
+  for (int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < kRows; row += warps) {
+    const size_t first = static_cast<size_t>(row) * kUnits;
+    for (int base = 0; base < kUnits; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        v[u] = i < kUnits && mode != kWriteOnly ? __ldg(src + first + i) : make_int4(row, i, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kUnits) continue;
+        if (mode == kReadOnly) {
+          acc.x ^= v[u].x, acc.y ^= v[u].y;
+          continue;
+        }
+        __stcg(dst0 + first + i, v[u]);
+        if (dst1 != nullptr) __stcg(dst1 + first + i, v[u]);
+      }
+    }
+  }
+  if (acc.x == 0x7fffffff && acc.y == 0x7fffffff) *sink = acc;  // keeps the read-only loads
+}
+
+// Each warp streams its rows through `stages` pieces of `piece` bytes of shared memory, loads
+// `stages - 2` pieces ahead (lane 0), lane 0 stores to dst0 and lane 1 to dst1 (if set); read-only:
+// no stores. The library's pipeline (bulk_rows.cuh) is 16 warps, 4 stages of 3584 bytes.
+__global__ void __launch_bounds__(1024, 1) bulk_rows(uint8_t* dst0, uint8_t* dst1, const uint8_t* src, int mode,
+                                                    int stages, int piece) {
+  extern __shared__ __align__(128) uint8_t shared[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, block_warps = blockDim.x >> 5;
+  uint8_t* buf = shared + static_cast<size_t>(warp) * stages * piece;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(shared + static_cast<size_t>(block_warps) * stages * piece) + warp * stages;
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&bars[s], 1);
+    fence_mbarrier_init();
+  }
+  __syncwarp();
+  const int pieces = kRowBytes / piece;
+  const int warps = gridDim.x * block_warps;
+  const int first_row = blockIdx.x * block_warps + warp;
+  const int my_rows = first_row < kRows ? (kRows - 1 - first_row) / warps + 1 : 0;
+  const int items = my_rows * pieces;
+  auto offset_of = [&](int item) {
+    return static_cast<size_t>(first_row + (item / pieces) * warps) * kRowBytes + (item % pieces) * piece;
+  };
+  int issued = 0;
+  for (int item = 0; item < items; ++item) {
+    const int last = min(item + stages - 2, items - 1);
+    if (issued <= last) {
+      bulk_wait_read<1>();
+      __syncwarp();
+      if (lane == 0)
+        for (int i = issued; i <= last; ++i) {
+          mbarrier_arrive_expect_bytes(&bars[i % stages], piece);
+          bulk_load(buf + (i % stages) * piece, src + offset_of(i), piece, &bars[i % stages]);
+        }
+      issued = last + 1;
+    }
+    const int stage = item % stages;
+    while (!mbarrier_try_wait(&bars[stage], (item / stages) & 1)) {
+    }
+    if (mode != kReadOnly) {
+      uint8_t* dst = lane == 0 ? dst0 : lane == 1 ? dst1 : nullptr;
+      if (dst != nullptr) bulk_store(dst + offset_of(item), buf + stage * piece, piece);
+    }
+    bulk_commit_group();
+  }
+  bulk_wait_all();
+}
+
+struct Gpu {
+  int id;
+  uint8_t *src, *own, *inbox;
+  int4* sink;
+  cudaStream_t stream;
+  cudaEvent_t start, end;
+};
+Gpu gpus[2];
+
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+// Median seconds of a round in which both GPUs run `launch(g)` at once (the slower GPU's time).
+template <typename Launch>
+double seconds(Launch launch) {
+  std::vector<double> times;
+  for (int round = 0; round < 7; ++round) {
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      CHECK(cudaDeviceSynchronize());
+    }
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      spin<<<1, 1, 0, g.stream>>>(4'000'000);
+      CHECK(cudaEventRecord(g.start, g.stream));
+      launch(g);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(g.end, g.stream));
+    }
+    double slowest = 0;
+    for (Gpu& g : gpus) {
+      CHECK(cudaSetDevice(g.id));
+      CHECK(cudaEventSynchronize(g.end));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, g.start, g.end));
+      slowest = std::max(slowest, ms * 1e-3);
+    }
+    if (round >= 2) times.push_back(slowest);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Where a case writes: 0 local, 1 the peer, 2 the peer and a local copy; read-only and write-only are local.
+struct Case {
+  const char* name;
+  Mode mode;
+  int targets;
+};
+const Case kCases[] = {{"local copy", kCopy, 0},  {"read only", kReadOnly, 0},         {"write only", kWriteOnly, 0},
+                       {"into peer", kCopy, 1}, {"peer + local copy", kCopy, 2}};
+
+void destinations(Gpu& g, const Case& c, uint8_t*& dst0, uint8_t*& dst1) {
+  dst0 = c.targets == 0 ? g.own : gpus[1 - g.id].inbox;
+  dst1 = c.targets == 2 ? g.own : nullptr;
+}
+
+template <typename Launch>
+void table_row(const char* mover, const Case& c, Launch launch) {
+  std::printf("%-28s %-18s", mover, c.name);
+  const double bytes = static_cast<double>(kRows) * kRowBytes * (c.targets == 2 ? 2 : 1);
+  for (int sms : {1, 2, 4, 8, 16}) {
+    const double gbps = bytes / seconds([&](Gpu& g) { launch(g, sms); }) / 1e9;
+    std::printf("  %2d SMs %6.1f (%5.1f/SM)", sms, gbps, gbps / sms);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+template <int kUnroll, int kThreads>
+void register_table() {
+  const int threads = kThreads;
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "registers %4d thr x %2d", threads, kUnroll);
+  for (const Case& c : kCases)
+    table_row(mover, c, [&](Gpu& g, int sms) {
+      uint8_t *dst0, *dst1;
+      destinations(g, c, dst0, dst1);
+      register_rows<kUnroll, kThreads><<<sms, threads, 0, g.stream>>>(reinterpret_cast<int4*>(dst0), reinterpret_cast<int4*>(dst1),
+                                                            reinterpret_cast<const int4*>(g.src), c.mode, g.sink);
+    });
+}
+
+void bulk_table(int warps, int stages, int piece) {
+  const int smem = warps * stages * (piece + 8);
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "bulk %2d warps x %d x %5d B", warps, stages, piece);
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    CHECK(cudaFuncSetAttribute(bulk_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  for (const Case& c : kCases) {
+    if (c.mode == kWriteOnly) continue;
+    table_row(mover, c, [&](Gpu& g, int sms) {
+      uint8_t *dst0, *dst1;
+      destinations(g, c, dst0, dst1);
+      bulk_rows<<<sms, warps * 32, smem, g.stream>>>(dst0, dst1, g.src, c.mode, stages, piece);
+    });
+  }
+}
+
+}  // namespace
+
+int main() {
+  const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
+  for (int id = 0; id < 2; ++id) {
+    Gpu& g = gpus[id];
+    g.id = id;
+    CHECK(cudaSetDevice(id));
+    CHECK(cudaDeviceEnablePeerAccess(1 - id, 0));
+    CHECK(cudaMalloc(&g.src, bytes));
+    CHECK(cudaMalloc(&g.own, bytes));
+    CHECK(cudaMalloc(&g.inbox, bytes));
+    CHECK(cudaMalloc(&g.sink, sizeof(int4)));
+    CHECK(cudaMemset(g.src, id + 1, bytes));
+    CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&g.start));
+    CHECK(cudaEventCreate(&g.end));
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
+  register_table<8, 512>();
+  register_table<8, 1024>();
+  register_table<16, 512>();
+  bulk_table(16, 4, 3584);
+  bulk_table(8, 4, 7168);
+  bulk_table(4, 4, 14336);
+  bulk_table(32, 3, 2048);
+  bulk_table(8, 3, 7168);
+  return 0;
+}
