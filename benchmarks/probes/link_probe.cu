@@ -11,15 +11,7 @@
 #include <string>
 #include <vector>
 
-// Exits with the file, line and CUDA error when `call` fails (a standalone probe, not the library).
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "probe_util.cuh"
 
 namespace {
 
@@ -118,12 +110,6 @@ __global__ void local_traffic(int4* a, const int4* b, size_t num_units, int mode
     }
   }
   if (sink.x == 0x7fffffff && sink.y == 0x7fffffff) a[0] = sink;  // keeps the read-only loads
-}
-
-__global__ void spin(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
 }
 
 struct Gpu {

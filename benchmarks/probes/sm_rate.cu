@@ -13,15 +13,7 @@
 #include <vector>
 
 #include "common/ptx.cuh"
-
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "probe_util.cuh"
 
 namespace {
 
@@ -120,12 +112,6 @@ struct Gpu {
   cudaEvent_t start, end;
 };
 Gpu gpus[2];
-
-__global__ void spin(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
-}
 
 // Median seconds of a round in which both GPUs run `launch(g)` at once (the slower GPU's time).
 template <typename Launch>
