@@ -127,50 +127,25 @@ size_t total_bytes;
 constexpr int kRowBytes = 14336;  // dispatch-shaped rows: 7168 bf16 values
 int num_rows;                     // rows in the round's bytes
 
-// One experiment: `issue(g)` queues GPU g's share of the round on its streams.
+// One experiment: `issue(g)` queues GPU g's share of the round on its streams; GB/s per direction.
 template <typename Issue>
 double measure(Issue issue) {
-  std::vector<double> times;
-  for (int round = 0; round < 12; ++round) {
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      CHECK(cudaDeviceSynchronize());
+  auto begin_round = [](Gpu& g) {
+    spin<<<1, 1, 0, g.main>>>(20'000'000);
+    CHECK(cudaEventRecord(g.start, g.main));
+    for (cudaStream_t s : {g.copy, g.sm, g.extra}) CHECK(cudaStreamWaitEvent(s, g.start, 0));
+  };
+  const double median_ms = median_round_ms(gpus, 10, begin_round, [&](Gpu& g) {
+    issue(g);
+    for (cudaStream_t s : {g.copy, g.sm, g.extra}) {
+      cudaEvent_t joined;
+      CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+      CHECK(cudaEventRecord(joined, s));
+      CHECK(cudaStreamWaitEvent(g.main, joined, 0));
+      CHECK(cudaEventDestroy(joined));
     }
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      spin<<<1, 1, 0, g.main>>>(20'000'000);  // holds the GPU while the host queues the round
-      CHECK(cudaEventRecord(g.start, g.main));
-      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
-      CHECK(cudaStreamWaitEvent(g.sm, g.start, 0));
-      CHECK(cudaStreamWaitEvent(g.extra, g.start, 0));
-    }
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      issue(g);
-    }
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      cudaEvent_t joined[3];
-      for (auto& e : joined) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      CHECK(cudaEventRecord(joined[0], g.copy));
-      CHECK(cudaEventRecord(joined[1], g.sm));
-      CHECK(cudaEventRecord(joined[2], g.extra));
-      for (auto& e : joined) CHECK(cudaStreamWaitEvent(g.main, e, 0));
-      CHECK(cudaEventRecord(g.end, g.main));
-      for (auto& e : joined) CHECK(cudaEventDestroy(e));
-    }
-    double slowest = 0;
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      CHECK(cudaEventSynchronize(g.end));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, g.start, g.end));
-      slowest = std::max(slowest, static_cast<double>(ms));
-    }
-    if (round >= 2) times.push_back(slowest);
-  }
-  std::sort(times.begin(), times.end());
-  const double median_ms = times[times.size() / 2];
+    CHECK(cudaEventRecord(g.end, g.main));
+  });
   return static_cast<double>(total_bytes) / (median_ms * 1e-3) / 1e9;
 }
 

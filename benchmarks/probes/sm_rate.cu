@@ -116,32 +116,14 @@ Gpu gpus[2];
 // Median seconds of a round in which both GPUs run `launch(g)` at once (the slower GPU's time).
 template <typename Launch>
 double seconds(Launch launch) {
-  std::vector<double> times;
-  for (int round = 0; round < 7; ++round) {
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      CHECK(cudaDeviceSynchronize());
-    }
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      spin<<<1, 1, 0, g.stream>>>(4'000'000);
-      CHECK(cudaEventRecord(g.start, g.stream));
-      launch(g);
-      CHECK(cudaGetLastError());
-      CHECK(cudaEventRecord(g.end, g.stream));
-    }
-    double slowest = 0;
-    for (Gpu& g : gpus) {
-      CHECK(cudaSetDevice(g.id));
-      CHECK(cudaEventSynchronize(g.end));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, g.start, g.end));
-      slowest = std::max(slowest, ms * 1e-3);
-    }
-    if (round >= 2) times.push_back(slowest);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  auto begin_round = [](Gpu& g) {
+    spin<<<1, 1, 0, g.stream>>>(4'000'000);
+    CHECK(cudaEventRecord(g.start, g.stream));
+  };
+  return 1e-3 * median_round_ms(gpus, 5, begin_round, [&](Gpu& g) {
+    launch(g);
+    CHECK(cudaEventRecord(g.end, g.stream));
+  });
 }
 
 // Where a case writes: 0 local, 1 the peer, 2 the peer and a local copy; read-only and write-only are local.
