@@ -2,14 +2,16 @@
 // depth, and bulk (TMA) copies through shared memory by pipeline shape; locally, into the peer, and
 // into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine]
 //
-// Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds.
+// Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds. The last
+// two rows move the rows into the peer by copy engine instead, beside SMs copying the own rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "common/ptx.cuh"
@@ -108,8 +110,8 @@ struct Gpu {
   int id;
   uint8_t *src, *own, *inbox;
   int4* sink;
-  cudaStream_t stream;
-  cudaEvent_t start, end;
+  cudaStream_t stream, copy;  // the SMs' work; the copy engine's
+  cudaEvent_t start, end, copied;
 };
 Gpu gpus[2];
 
@@ -184,9 +186,31 @@ void bulk_table(int warps, int stages, int piece) {
   }
 }
 
+// The copy engine moves the rows into the peer (one copy, pushed by this GPU's engine or pulled by the
+// peer's) while `sms` SMs copy the own rows locally: a 2-rank dispatch in which no SM writes into the peer.
+void engine_and_sms_row(bool pull) {
+  const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
+  std::printf("%-28s %-18s", pull ? "engine pull + registers" : "engine push + registers", "peer + local copy");
+  for (int sms : {1, 2, 4, 8, 16}) {
+    const double round = seconds([&](Gpu& g) {
+      const Gpu& peer = gpus[1 - g.id];
+      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+      if (pull) CHECK(cudaMemcpyAsync(g.inbox, peer.src, bytes, cudaMemcpyDeviceToDevice, g.copy));
+      else CHECK(cudaMemcpyAsync(peer.inbox, g.src, bytes, cudaMemcpyDeviceToDevice, g.copy));
+      register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
+                                                       reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
+      CHECK(cudaEventRecord(g.copied, g.copy));
+      CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+    });
+    std::printf("  %2d SMs %6.1f (%5.1f us)", sms, 2.0 * bytes / round / 1e9, round * 1e6);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
   for (int id = 0; id < 2; ++id) {
     Gpu& g = gpus[id];
@@ -199,19 +223,26 @@ int main() {
     CHECK(cudaMalloc(&g.sink, sizeof(int4)));
     CHECK(cudaMemset(g.src, id + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&g.start));
     CHECK(cudaEventCreate(&g.end));
+    CHECK(cudaEventCreateWithFlags(&g.copied, cudaEventDisableTiming));
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
-  register_table<8, 512>();
-  register_table<8, 1024>();
-  register_table<16, 512>();
-  bulk_table(16, 4, 3584);
-  bulk_table(8, 4, 7168);
-  bulk_table(4, 4, 14336);
-  bulk_table(32, 3, 2048);
-  bulk_table(8, 3, 7168);
+  // `sm_rate engine`: only the rows whose bytes into the peer go by copy engine.
+  if (argc < 2 || std::string(argv[1]) != "engine") {
+    register_table<8, 512>();
+    register_table<8, 1024>();
+    register_table<16, 512>();
+    bulk_table(16, 4, 3584);
+    bulk_table(8, 4, 7168);
+    bulk_table(4, 4, 14336);
+    bulk_table(32, 3, 2048);
+    bulk_table(8, 3, 7168);
+  }
+  engine_and_sms_row(false);
+  engine_and_sms_row(true);
   return 0;
 }
