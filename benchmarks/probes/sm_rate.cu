@@ -29,7 +29,8 @@ enum Mode { kCopy, kReadOnly, kWriteOnly };
 // Warp w takes rows w, w + W, ...; a lane moves kUnroll 16-byte units per step, loads before stores,
 // to dst0 and (if set) dst1.
 template <int kUnroll, int kMaxThreads>
-__global__ void __launch_bounds__(kMaxThreads, 1) register_rows(int4* dst0, int4* dst1, const int4* src, int mode, int4* sink) {
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    register_rows(int4* dst0, int4* dst1, const int4* src, int mode, int4* sink) {
   constexpr int kUnits = kRowBytes / 16;
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (blockDim.x >> 5);
@@ -163,8 +164,9 @@ void register_table() {
     table_row(mover, c, [&](Gpu& g, int sms) {
       uint8_t *dst0, *dst1;
       destinations(g, c, dst0, dst1);
-      register_rows<kUnroll, kThreads><<<sms, threads, 0, g.stream>>>(reinterpret_cast<int4*>(dst0), reinterpret_cast<int4*>(dst1),
-                                                            reinterpret_cast<const int4*>(g.src), c.mode, g.sink);
+      register_rows<kUnroll, kThreads><<<sms, threads, 0, g.stream>>>(
+          reinterpret_cast<int4*>(dst0), reinterpret_cast<int4*>(dst1), reinterpret_cast<const int4*>(g.src), c.mode,
+          g.sink);
     });
 }
 
