@@ -5,7 +5,8 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine]
 //
 // Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds. The last
-// two rows move the rows into the peer by copy engine instead, beside SMs copying the own rows.
+// rows move the rows into the peer by copy engine instead, beside SMs copying the own rows: one copy
+// into the peer, then the whole path through a staging area (see engine_staged_row).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -109,10 +110,12 @@ __global__ void __launch_bounds__(1024, 1) bulk_rows(uint8_t* dst0, uint8_t* dst
 
 struct Gpu {
   int id;
-  uint8_t *src, *own, *inbox;
+  uint8_t *src, *own, *inbox, *out;
   int4* sink;
-  cudaStream_t stream, copy;  // the SMs' work; the copy engine's
-  cudaEvent_t start, end, copied;
+  uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row)
+  uint64_t rounds = 0;
+  cudaStream_t stream, copy, local;  // the SMs' work; the copy engine's into the peer; its local copies
+  cudaEvent_t start, end, copied, placed;
 };
 Gpu gpus[2];
 
@@ -210,6 +213,51 @@ void engine_and_sms_row(bool pull) {
   std::fflush(stdout);
 }
 
+__global__ void signal_word(uint64_t* word, uint64_t value) { st_release_sys(word, value); }
+__global__ void wait_for_word(const uint64_t* word, uint64_t value) {
+  while (ld_acquire_sys(word) < value) {
+  }
+}
+
+// The 2-rank dispatch through staging, whole: this GPU's engine pushes its rows into the peer's staging
+// area (`inbox`, a fixed place the sender knows) in `pieces` copies, raising the peer's landed count
+// after each (a one-thread kernel on the copy stream); the peer's engine copies each landed piece into
+// its output, behind a one-thread wait, as a receiver whose output addresses only its own host knows
+// would; `sms` SMs copy the own rows meanwhile.
+void engine_staged_row(int pieces) {
+  const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
+  const size_t piece = bytes / pieces;
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "engine staged, %2d pieces", pieces);
+  std::printf("%-28s %-18s", mover, "peer + local copy");
+  for (int sms : {1, 2, 4, 8, 16}) {
+    const double round = seconds([&](Gpu& g) {
+      const Gpu& peer = gpus[1 - g.id];
+      // Both GPUs count their rounds alike: the values of this round are first + 1 .. first + pieces.
+      const uint64_t first = g.rounds++ * pieces;
+      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+      CHECK(cudaStreamWaitEvent(g.local, g.start, 0));
+      for (int k = 0; k < pieces; ++k) {
+        CHECK(cudaMemcpyAsync(peer.inbox + k * piece, g.src + k * piece, piece, cudaMemcpyDeviceToDevice, g.copy));
+        signal_word<<<1, 1, 0, g.copy>>>(peer.landed, first + k + 1);
+      }
+      register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
+                                                       reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
+      for (int k = 0; k < pieces; ++k) {
+        wait_for_word<<<1, 1, 0, g.local>>>(g.landed, first + k + 1);
+        CHECK(cudaMemcpyAsync(g.out + k * piece, g.inbox + k * piece, piece, cudaMemcpyDeviceToDevice, g.local));
+      }
+      CHECK(cudaEventRecord(g.copied, g.copy));
+      CHECK(cudaEventRecord(g.placed, g.local));
+      CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+      CHECK(cudaStreamWaitEvent(g.stream, g.placed, 0));
+    });
+    std::printf("  %2d SMs %6.1f (%5.1f us)", sms, 2.0 * bytes / round / 1e9, round * 1e6);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -222,13 +270,18 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.src, bytes));
     CHECK(cudaMalloc(&g.own, bytes));
     CHECK(cudaMalloc(&g.inbox, bytes));
+    CHECK(cudaMalloc(&g.out, bytes));
+    CHECK(cudaMalloc(&g.landed, sizeof(uint64_t)));
+    CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
     CHECK(cudaMalloc(&g.sink, sizeof(int4)));
     CHECK(cudaMemset(g.src, id + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
     CHECK(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&g.local, cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&g.start));
     CHECK(cudaEventCreate(&g.end));
     CHECK(cudaEventCreateWithFlags(&g.copied, cudaEventDisableTiming));
+    CHECK(cudaEventCreateWithFlags(&g.placed, cudaEventDisableTiming));
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -246,5 +299,6 @@ int main(int argc, char** argv) {
   }
   engine_and_sms_row(false);
   engine_and_sms_row(true);
+  for (int pieces : {1, 4, 8, 16}) engine_staged_row(pieces);
   return 0;
 }
