@@ -6,7 +6,8 @@
 //
 // Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds. The last
 // rows move the rows into the peer by copy engine instead, beside SMs copying the own rows: one copy
-// into the peer, then the whole path through a staging area (see engine_staged_row).
+// into the peer, the whole path through a staging area (engine_staged_row), and the whole path straight
+// into the peer's output in runs of tokens (engine_direct_row).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -112,7 +113,8 @@ struct Gpu {
   int id;
   uint8_t *src, *own, *inbox, *out;
   int4* sink;
-  uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row)
+  uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row), or its rows in `out`
+  uint64_t* go;      // the peer's stream has reached this round: its `out` may be written (engine_direct_row)
   uint64_t rounds = 0;
   cudaStream_t stream, copy, local;  // the SMs' work; the copy engine's into the peer; its local copies
   cudaEvent_t start, end, copied, placed;
@@ -258,6 +260,43 @@ void engine_staged_row(int pieces) {
   std::fflush(stdout);
 }
 
+// The 2-rank dispatch straight into the peer's output, whole: the own rows by `sms` SMs; the rows into
+// the peer by this GPU's engine in `runs` copies of consecutive tokens (a token between runs stays
+// home, as tokens routed elsewhere do), behind a one-thread wait for the peer's go (its stream has
+// reached the dispatch, so its output may be written) and followed by a one-thread signal that the
+// peer's stream waits for before its dispatch ends.
+void engine_direct_row(int runs) {
+  const int rows_per_run = kRows / runs;
+  std::printf("%-28s %-18s", (std::string("engine direct, ") + std::to_string(runs) + " runs").c_str(),
+              "peer + local copy");
+  for (int sms : {1, 2, 4, 8, 16}) {
+    const double round = seconds([&](Gpu& g) {
+      const Gpu& peer = gpus[1 - g.id];
+      const uint64_t value = ++g.rounds;  // both GPUs count their rounds alike
+      signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
+      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+      wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
+      int64_t to = 0;
+      for (int k = 0; k < runs; ++k) {
+        const int64_t first = static_cast<int64_t>(k) * rows_per_run + (k > 0 ? 1 : 0);
+        const int64_t rows = static_cast<int64_t>(k + 1) * rows_per_run - first;
+        CHECK(cudaMemcpyAsync(peer.out + to * kRowBytes, g.src + first * kRowBytes, rows * kRowBytes,
+                              cudaMemcpyDeviceToDevice, g.copy));
+        to += rows;
+      }
+      signal_word<<<1, 1, 0, g.copy>>>(peer.landed, value);
+      register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
+                                                       reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
+      wait_for_word<<<1, 1, 0, g.stream>>>(g.landed, value);
+      CHECK(cudaEventRecord(g.copied, g.copy));
+      CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+    });
+    std::printf("  %2d SMs %6.1f (%5.1f us)", sms, 2.0 * kRows * kRowBytes / round / 1e9, round * 1e6);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -273,6 +312,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.out, bytes));
     CHECK(cudaMalloc(&g.landed, sizeof(uint64_t)));
     CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
+    CHECK(cudaMalloc(&g.go, sizeof(uint64_t)));
+    CHECK(cudaMemset(g.go, 0, sizeof(uint64_t)));
     CHECK(cudaMalloc(&g.sink, sizeof(int4)));
     CHECK(cudaMemset(g.src, id + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
@@ -300,5 +341,12 @@ int main(int argc, char** argv) {
   engine_and_sms_row(false);
   engine_and_sms_row(true);
   for (int pieces : {1, 4, 8, 16}) engine_staged_row(pieces);
+  for (Gpu& g : gpus) g.rounds = 0;
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
+    CHECK(cudaDeviceSynchronize());
+  }
+  for (int runs : {1, 16, 64}) engine_direct_row(runs);
   return 0;
 }
