@@ -113,8 +113,10 @@ struct Gpu {
   int id;
   uint8_t *src, *own, *inbox, *out;
   int4* sink;
-  uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row), or its rows in `out`
-  uint64_t* go;      // the peer's stream has reached this round: its `out` may be written (engine_direct_row)
+  uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row)
+  // engine_direct_row: the peer's stream has reached the round (this GPU's copies may write its `out`);
+  // the peer's rows have landed in this GPU's `out`.
+  uint64_t *go, *arrived;
   uint64_t rounds = 0;
   cudaStream_t stream, copy, local;  // the SMs' work; the copy engine's into the peer; its local copies
   cudaEvent_t start, end, copied, placed;
@@ -272,7 +274,8 @@ void engine_direct_row(int runs) {
   for (int sms : {1, 2, 4, 8, 16}) {
     const double round = seconds([&](Gpu& g) {
       const Gpu& peer = gpus[1 - g.id];
-      const uint64_t value = ++g.rounds;  // both GPUs count their rounds alike
+      // Both GPUs count their rounds alike; the count only grows, so a round never sees an earlier one's word.
+      const uint64_t value = ++g.rounds;
       signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
       CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
       wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
@@ -284,10 +287,10 @@ void engine_direct_row(int runs) {
                               cudaMemcpyDeviceToDevice, g.copy));
         to += rows;
       }
-      signal_word<<<1, 1, 0, g.copy>>>(peer.landed, value);
+      signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
       register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
                                                        reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
-      wait_for_word<<<1, 1, 0, g.stream>>>(g.landed, value);
+      wait_for_word<<<1, 1, 0, g.stream>>>(g.arrived, value);
       CHECK(cudaEventRecord(g.copied, g.copy));
       CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
     });
@@ -312,8 +315,9 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.out, bytes));
     CHECK(cudaMalloc(&g.landed, sizeof(uint64_t)));
     CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
-    CHECK(cudaMalloc(&g.go, sizeof(uint64_t)));
-    CHECK(cudaMemset(g.go, 0, sizeof(uint64_t)));
+    CHECK(cudaMalloc(&g.go, 2 * sizeof(uint64_t)));
+    CHECK(cudaMemset(g.go, 0, 2 * sizeof(uint64_t)));
+    g.arrived = g.go + 1;
     CHECK(cudaMalloc(&g.sink, sizeof(int4)));
     CHECK(cudaMemset(g.src, id + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
@@ -341,12 +345,6 @@ int main(int argc, char** argv) {
   engine_and_sms_row(false);
   engine_and_sms_row(true);
   for (int pieces : {1, 4, 8, 16}) engine_staged_row(pieces);
-  for (Gpu& g : gpus) g.rounds = 0;
-  for (Gpu& g : gpus) {
-    CHECK(cudaSetDevice(g.id));
-    CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
-    CHECK(cudaDeviceSynchronize());
-  }
   for (int runs : {1, 16, 64}) engine_direct_row(runs);
   return 0;
 }
