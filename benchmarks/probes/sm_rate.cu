@@ -2,12 +2,14 @@
 // depth, and bulk (TMA) copies through shared memory by pipeline shape; locally, into the peer, and
 // into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine|sum|landing]
 //
 // Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds. The last
 // rows move the rows into the peer by copy engine instead, beside SMs copying the own rows: one copy
 // into the peer, the whole path through a staging area (engine_staged_row), and the whole path straight
-// into the peer's output in runs of tokens (engine_direct_row).
+// into the peer's output in runs of tokens (engine_direct_row). `sum` times a 2-rank combine's sum
+// (alone, and beside both GPUs' engines copying); `landing` prints when each row of one engine copy
+// lands in the peer, watched by one thread per row spinning or pausing 1 us between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "probe_util.cuh"
 
@@ -109,9 +112,40 @@ __global__ void __launch_bounds__(1024, 1) bulk_rows(uint8_t* dst0, uint8_t* dst
   bulk_wait_all();
 }
 
+// A 2-rank combine's sum: out = a + b row by row (bf16, summed in fp32), a lane holding kUnroll units
+// of both rows in flight; b is local or the peer's rows read across NVLink.
+template <int kUnroll, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const int4* a, const int4* b) {
+  constexpr int kUnits = kRowBytes / 16;
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < kRows; row += warps) {
+    const size_t first = static_cast<size_t>(row) * kUnits;
+    for (int base = 0; base < kUnits; base += 32 * kUnroll) {
+      int4 x[kUnroll], y[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kUnits) continue;
+        x[u] = ld_nc_v4(a + first + i);
+        y[u] = ld_nc_v4(b + first + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kUnits) continue;
+        float acc[8] = {};
+        add_bf16x8(acc, x[u]);
+        add_bf16x8(acc, y[u]);
+        st_na_v4(out + first + i, to_bf16x8(acc));
+      }
+    }
+  }
+}
+
 struct Gpu {
   int id;
-  uint8_t *src, *own, *inbox, *out;
+  uint8_t *src, *own, *inbox, *out, *spare;
   int4* sink;
   uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row)
   // engine_direct_row: the peer's stream has reached the round (this GPU's copies may write its `out`);
@@ -300,6 +334,116 @@ void engine_direct_row(int runs) {
   std::fflush(stdout);
 }
 
+// The sum's rate: GB/s of output rows (each reads two rows and writes one).
+template <int kUnroll, int kThreads>
+void reduce_table() {
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "sum registers %4d x %2d", kThreads, kUnroll);
+  for (bool remote : {false, true}) {
+    std::printf("%-28s %-18s", mover, remote ? "own + peer's row" : "two local rows");
+    for (int sms : {1, 2, 4, 8, 16}) {
+      const double round = seconds([&](Gpu& g) {
+        const uint8_t* b = remote ? gpus[1 - g.id].src : g.inbox;
+        reduce_rows<kUnroll, kThreads><<<sms, kThreads, 0, g.stream>>>(
+            reinterpret_cast<int4*>(g.out), reinterpret_cast<const int4*>(g.src), reinterpret_cast<const int4*>(b));
+      });
+      std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+}
+
+// The sum while this GPU's engine pushes its rows into the peer and the peer's engine pushes its rows
+// into this GPU (a 2-rank copy-engine combine's traffic): the sum reads the landing rows (`inbox`,
+// unsynchronized: a timing only) or rows no engine writes (`spare`).
+template <int kUnroll, int kThreads>
+void reduce_beside_engine_table() {
+  const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "sum+engine %4d x %2d", kThreads, kUnroll);
+  for (bool landing : {false, true}) {
+    std::printf("%-28s %-18s", mover, landing ? "own + landing rows" : "own + spare rows");
+    for (int sms : {4, 8, 16}) {
+      const double round = seconds([&](Gpu& g) {
+        CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+        CHECK(cudaMemcpyAsync(gpus[1 - g.id].inbox, g.src, bytes, cudaMemcpyDeviceToDevice, g.copy));
+        reduce_rows<kUnroll, kThreads><<<sms, kThreads, 0, g.stream>>>(
+            reinterpret_cast<int4*>(g.out), reinterpret_cast<const int4*>(g.own),
+            reinterpret_cast<const int4*>(landing ? g.inbox : g.spare));
+        CHECK(cudaEventRecord(g.copied, g.copy));
+        CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+      });
+      std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+}
+
+// One thread per row watches its first and last 16 bytes (filled with 0xff beforehand) and records
+// when each stops being 0xff, pausing `pause_ns` between polls.
+__global__ void watch_landing(const int4* rows, uint64_t* first_at, uint64_t* last_at, int pause_ns) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= kRows) return;
+  constexpr int kUnits = kRowBytes / 16;
+  const int4* first = rows + static_cast<size_t>(row) * kUnits;
+  const int4* last = first + kUnits - 1;
+  uint64_t t_first = 0, t_last = 0;
+  const uint64_t begin = global_timer_ns();
+  while (t_last == 0 || t_first == 0) {
+    const uint64_t now = global_timer_ns();
+    if (now - begin > 20'000'000) break;
+    if (t_first == 0 && ld_cg_v4(first).x != -1) t_first = now;
+    if (t_last == 0 && ld_cg_v4(last).w != -1) t_last = now;
+    if (pause_ns > 0) __nanosleep(pause_ns);
+  }
+  first_at[row] = t_first;
+  last_at[row] = t_last;
+}
+
+// The order in which one 58.7 MB engine copy lands its rows in the peer: per bucket of 256 rows, the
+// earliest and latest landing of the rows' first and last 16 bytes, in us after the first row landed
+// (buckets of 16 rows for the first 512).
+void landing_order(int pause_ns) {
+  const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
+  Gpu& sender = gpus[0];
+  Gpu& receiver = gpus[1];
+  uint64_t *first_at, *last_at;
+  CHECK(cudaSetDevice(receiver.id));
+  CHECK(cudaMalloc(&first_at, kRows * sizeof(uint64_t)));
+  CHECK(cudaMalloc(&last_at, kRows * sizeof(uint64_t)));
+  CHECK(cudaMemset(receiver.inbox, 0xff, bytes));
+  CHECK(cudaDeviceSynchronize());
+  watch_landing<<<kRows / 128, 128, 0, receiver.stream>>>(reinterpret_cast<const int4*>(receiver.inbox), first_at,
+                                                         last_at, pause_ns);
+  CHECK(cudaSetDevice(sender.id));
+  spin<<<1, 1, 0, sender.stream>>>(2'000'000);
+  CHECK(cudaMemcpyAsync(receiver.inbox, sender.src, bytes, cudaMemcpyDeviceToDevice, sender.stream));
+  CHECK(cudaStreamSynchronize(sender.stream));
+  CHECK(cudaSetDevice(receiver.id));
+  CHECK(cudaStreamSynchronize(receiver.stream));
+  std::vector<uint64_t> first(kRows), last(kRows);
+  CHECK(cudaMemcpy(first.data(), first_at, kRows * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(last.data(), last_at, kRows * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  uint64_t origin = ~0ull;
+  for (int r = 0; r < kRows; ++r)
+    if (first[r] != 0) origin = std::min(origin, first[r]);
+  std::printf("engine copy landing order (us after the first landed unit; watchers pause %d ns between polls): "
+              "first unit min-max, last unit min-max\n", pause_ns);
+  auto bucket_width = [](int row) { return row < 512 ? 16 : 256; };
+  for (int b = 0; b < kRows; b += bucket_width(b)) {
+    double f0 = 1e30, f1 = 0, l0 = 1e30, l1 = 0;
+    const int width = bucket_width(b);
+    for (int r = b; r < b + width; ++r) {
+      const double f = first[r] ? (first[r] - origin) / 1e3 : -1, l = last[r] ? (last[r] - origin) / 1e3 : -1;
+      f0 = std::min(f0, f), f1 = std::max(f1, f), l0 = std::min(l0, l), l1 = std::max(l1, l);
+    }
+    std::printf("  rows %4d-%4d  first %7.1f-%7.1f  last %7.1f-%7.1f\n", b, b + width - 1, f0, f1, l0, l1);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -313,6 +457,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.own, bytes));
     CHECK(cudaMalloc(&g.inbox, bytes));
     CHECK(cudaMalloc(&g.out, bytes));
+    CHECK(cudaMalloc(&g.spare, bytes));
     CHECK(cudaMalloc(&g.landed, sizeof(uint64_t)));
     CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
     CHECK(cudaMalloc(&g.go, 2 * sizeof(uint64_t)));
@@ -331,8 +476,24 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
+  const std::string only = argc < 2 ? "" : argv[1];
+  if (only == "landing") {
+    landing_order(0);
+    landing_order(1000);
+    return 0;
+  }
+  // `sm_rate sum`: only the 2-rank combine's sum.
+  if (only.empty() || only == "sum") {
+    reduce_table<4, 512>();
+    reduce_table<8, 512>();
+    reduce_table<4, 1024>();
+    reduce_table<8, 1024>();
+    reduce_beside_engine_table<8, 512>();
+    reduce_beside_engine_table<8, 1024>();
+    if (only == "sum") return 0;
+  }
   // `sm_rate engine`: only the rows whose bytes into the peer go by copy engine.
-  if (argc < 2 || std::string(argv[1]) != "engine") {
+  if (only.empty()) {
     register_table<8, 512>();
     register_table<8, 1024>();
     register_table<16, 512>();
