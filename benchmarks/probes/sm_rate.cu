@@ -2,14 +2,16 @@
 // depth, and bulk (TMA) copies through shared memory by pipeline shape; locally, into the peer, and
 // into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine|sum|landing]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine|hybrid|sum|landing]
 //
 // Prints GB/s per GPU (bytes written; read-only: bytes read) and per SM, median of 5 rounds. The last
 // rows move the rows into the peer by copy engine instead, beside SMs copying the own rows: one copy
-// into the peer, the whole path through a staging area (engine_staged_row), and the whole path straight
-// into the peer's output in runs of tokens (engine_direct_row). `sum` times a 2-rank combine's sum
-// (alone, and beside both GPUs' engines copying); `landing` prints when each row of one engine copy
-// lands in the peer, watched by one thread per row spinning or pausing 1 us between reads.
+// into the peer, the whole path through a staging area (engine_staged_row), the whole path straight
+// into the peer's output in runs of tokens (engine_direct_row), and that path for the longest runs of
+// a random 2-rank routing beside SMs copying the other rows (engine_hybrid_row; `hybrid`: these rows
+// only). `sum` times a 2-rank combine's sum (alone, and beside both GPUs' engines copying); `landing`
+// prints when each row of one engine copy lands in the peer, watched by one thread per row spinning or
+// pausing 1 us between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -139,6 +141,31 @@ __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const i
         add_bf16x8(acc, y[u]);
         st_na_v4(out + first + i, to_bf16x8(acc));
       }
+    }
+  }
+}
+
+// A dispatch's rows by list: item i < n_remote copies row remote_rows[i] of src into row remote_to[i] of
+// dst_remote; the next kRows items copy every row into `own` (warp w takes items w, w + W, ...).
+__global__ void __launch_bounds__(512, 1) listed_rows(int4* dst_remote, int4* own, const int4* src,
+                                                      const int* remote_rows, const int* remote_to, int n_remote) {
+  constexpr int kUnits = kRowBytes / 16;
+  constexpr int kUnroll = 8;
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_remote + kRows; item += warps) {
+    const bool remote = item < n_remote;
+    const int4* from = src + static_cast<size_t>(remote ? remote_rows[item] : item - n_remote) * kUnits;
+    int4* to = remote ? dst_remote + static_cast<size_t>(remote_to[item]) * kUnits
+                      : own + static_cast<size_t>(item - n_remote) * kUnits;
+    for (int base = 0; base < kUnits; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 + lane < kUnits) v[u] = ld_nc_v4(from + base + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 + lane < kUnits) __stcg(to + base + u * 32 + lane, v[u]);
     }
   }
 }
@@ -334,6 +361,99 @@ void engine_direct_row(int runs) {
   std::fflush(stdout);
 }
 
+// Runs of consecutive tokens routed to the peer at 2 ranks, top-8 of 256 experts (a token stays home
+// with probability C(128,8)/C(256,8), about 0.0035): (first token, rows), longest first.
+std::vector<std::pair<int, int>> routed_runs() {
+  double stay = 1;
+  for (int i = 0; i < 8; ++i) stay *= (128.0 - i) / (256.0 - i);
+  uint64_t state = 12345;
+  std::vector<std::pair<int, int>> runs;
+  for (int t = 0; t < kRows; ++t) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const bool routed = static_cast<double>(state >> 11) / 9007199254740992.0 >= stay;
+    if (!routed) continue;
+    if (!runs.empty() && runs.back().first + runs.back().second == t) ++runs.back().second;
+    else runs.push_back({t, 1});
+  }
+  std::sort(runs.begin(), runs.end(), [](auto& a, auto& b) { return a.second > b.second; });
+  return runs;
+}
+
+// The 2-rank dispatch split: this GPU's engine copies the `engine_runs` longest runs straight into the
+// peer's output (behind the peer's go, a signal after them, as engine_direct_row), and `sms` SMs copy
+// the other routed rows into the peer and every own row locally. engine_runs 0: SMs move everything.
+void engine_hybrid_row(int engine_runs) {
+  const auto runs = routed_runs();
+  int routed = 0;
+  for (auto& r : runs) routed += r.second;
+  // Where each routed token lands in the peer's output: its rank among the routed tokens.
+  std::vector<int> slot(kRows, -1);
+  {
+    std::vector<std::pair<int, int>> by_token(runs.begin(), runs.end());
+    std::sort(by_token.begin(), by_token.end());
+    int next = 0;
+    for (auto& r : by_token)
+      for (int i = 0; i < r.second; ++i) slot[r.first + i] = next++;
+  }
+  const int k = std::min<int>(engine_runs, static_cast<int>(runs.size()));
+  std::vector<int> remote_rows, remote_to;
+  int engine_rows = 0;
+  for (size_t j = 0; j < runs.size(); ++j) {
+    if (static_cast<int>(j) < k) {
+      engine_rows += runs[j].second;
+      continue;
+    }
+    for (int i = 0; i < runs[j].second; ++i) {
+      remote_rows.push_back(runs[j].first + i);
+      remote_to.push_back(slot[runs[j].first + i]);
+    }
+  }
+  int* lists[2][2];
+  const int n_remote = static_cast<int>(remote_rows.size());
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    for (int l = 0; l < 2; ++l) {
+      CHECK(cudaMalloc(&lists[g.id][l], std::max(1, n_remote) * sizeof(int)));
+      CHECK(cudaMemcpy(lists[g.id][l], (l == 0 ? remote_rows : remote_to).data(), n_remote * sizeof(int),
+                       cudaMemcpyHostToDevice));
+    }
+  }
+  char mover[64];
+  std::snprintf(mover, sizeof(mover), "hybrid, engine %d of %d runs", k, static_cast<int>(runs.size()));
+  std::printf("%-28s %4.1f%% of %d rows   ", mover, 100.0 * engine_rows / routed, routed);
+  for (int sms : {4, 8, 16, 24}) {
+    const double round = seconds([&](Gpu& g) {
+      const Gpu& peer = gpus[1 - g.id];
+      const uint64_t value = ++g.rounds;
+      if (k > 0) {
+        signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
+        CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+        wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
+        for (int j = 0; j < k; ++j)
+          CHECK(cudaMemcpyAsync(peer.out + static_cast<size_t>(slot[runs[j].first]) * kRowBytes,
+                                g.src + static_cast<size_t>(runs[j].first) * kRowBytes,
+                                static_cast<size_t>(runs[j].second) * kRowBytes, cudaMemcpyDeviceToDevice, g.copy));
+        signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
+      }
+      listed_rows<<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(peer.out), reinterpret_cast<int4*>(g.own),
+                                             reinterpret_cast<const int4*>(g.src), lists[g.id][0], lists[g.id][1],
+                                             n_remote);
+      if (k > 0) {
+        wait_for_word<<<1, 1, 0, g.stream>>>(g.arrived, value);
+        CHECK(cudaEventRecord(g.copied, g.copy));
+        CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+      }
+    });
+    std::printf("  %2d SMs %5.1f us", sms, round * 1e6);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    for (int l = 0; l < 2; ++l) CHECK(cudaFree(lists[g.id][l]));
+  }
+}
+
 // The sum's rate: GB/s of output rows (each reads two rows and writes one).
 template <int kUnroll, int kThreads>
 void reduce_table() {
@@ -477,6 +597,10 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
   const std::string only = argc < 2 ? "" : argv[1];
+  if (only == "hybrid") {
+    for (int engine_runs : {0, 1, 2, 4, 8, 1000}) engine_hybrid_row(engine_runs);
+    return 0;
+  }
   if (only == "landing") {
     landing_order(0);
     landing_order(1000);
@@ -507,5 +631,6 @@ int main(int argc, char** argv) {
   engine_and_sms_row(true);
   for (int pieces : {1, 4, 8, 16}) engine_staged_row(pieces);
   for (int runs : {1, 16, 64}) engine_direct_row(runs);
+  for (int engine_runs : {0, 1, 2, 4, 8, 1000}) engine_hybrid_row(engine_runs);
   return 0;
 }
