@@ -9,9 +9,9 @@
 // into the peer, the whole path through a staging area (engine_staged_row), the whole path straight
 // into the peer's output in runs of tokens (engine_direct_row), and that path for the longest runs of
 // a random 2-rank routing beside SMs copying the other rows (engine_hybrid_row; `hybrid`: these rows
-// only). `sum` times a 2-rank combine's sum (alone, and beside both GPUs' engines copying); `landing`
-// prints when each row of one engine copy lands in the peer, watched by one thread per row spinning or
-// pausing 1 us between reads.
+// only); ", batch": the engine's copies in one cudaMemcpyBatchAsync call. `sum` times a 2-rank
+// combine's sum (alone, and beside both GPUs' engines copying); `landing` prints when each row of one
+// engine copy lands in the peer, watched by one thread per row spinning or pausing 1 us between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -323,14 +323,37 @@ void engine_staged_row(int pieces) {
   std::fflush(stdout);
 }
 
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+// The copies on `stream`: one cudaMemcpyAsync each, or all in one cudaMemcpyBatchAsync.
+void engine_copies(const std::vector<Copy>& copies, bool batched, cudaStream_t stream) {
+  if (!batched) {
+    for (const Copy& c : copies) CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (const Copy& c : copies) dsts.push_back(c.dst), srcs.push_back(c.src), sizes.push_back(c.bytes);
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t first = 0;
+  CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attributes, &first, 1, stream));
+}
+
 // The 2-rank dispatch straight into the peer's output, whole: the own rows by `sms` SMs; the rows into
 // the peer by this GPU's engine in `runs` copies of consecutive tokens (a token between runs stays
 // home, as tokens routed elsewhere do), behind a one-thread wait for the peer's go (its stream has
 // reached the dispatch, so its output may be written) and followed by a one-thread signal that the
 // peer's stream waits for before its dispatch ends.
-void engine_direct_row(int runs) {
+void engine_direct_row(int runs, bool batched) {
   const int rows_per_run = kRows / runs;
-  std::printf("%-28s %-18s", (std::string("engine direct, ") + std::to_string(runs) + " runs").c_str(),
+  std::printf("%-28s %-18s",
+              (std::string("engine direct, ") + std::to_string(runs) + (batched ? " runs, batch" : " runs")).c_str(),
               "peer + local copy");
   for (int sms : {1, 2, 4, 8, 16}) {
     const double round = seconds([&](Gpu& g) {
@@ -340,14 +363,15 @@ void engine_direct_row(int runs) {
       signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
       CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
       wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
+      std::vector<Copy> copies;
       int64_t to = 0;
       for (int k = 0; k < runs; ++k) {
         const int64_t first = static_cast<int64_t>(k) * rows_per_run + (k > 0 ? 1 : 0);
         const int64_t rows = static_cast<int64_t>(k + 1) * rows_per_run - first;
-        CHECK(cudaMemcpyAsync(peer.out + to * kRowBytes, g.src + first * kRowBytes, rows * kRowBytes,
-                              cudaMemcpyDeviceToDevice, g.copy));
+        copies.push_back({peer.out + to * kRowBytes, g.src + first * kRowBytes, static_cast<size_t>(rows) * kRowBytes});
         to += rows;
       }
+      engine_copies(copies, batched, g.copy);
       signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
       register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
                                                        reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
@@ -382,7 +406,7 @@ std::vector<std::pair<int, int>> routed_runs() {
 // The 2-rank dispatch split: this GPU's engine copies the `engine_runs` longest runs straight into the
 // peer's output (behind the peer's go, a signal after them, as engine_direct_row), and `sms` SMs copy
 // the other routed rows into the peer and every own row locally. engine_runs 0: SMs move everything.
-void engine_hybrid_row(int engine_runs) {
+void engine_hybrid_row(int engine_runs, bool batched) {
   const auto runs = routed_runs();
   int routed = 0;
   for (auto& r : runs) routed += r.second;
@@ -419,7 +443,8 @@ void engine_hybrid_row(int engine_runs) {
     }
   }
   char mover[64];
-  std::snprintf(mover, sizeof(mover), "hybrid, engine %d of %d runs", k, static_cast<int>(runs.size()));
+  std::snprintf(mover, sizeof(mover), "hybrid, engine %d of %d%s", k, static_cast<int>(runs.size()),
+                batched ? ", batch" : "");
   std::printf("%-28s %4.1f%% of %d rows   ", mover, 100.0 * engine_rows / routed, routed);
   for (int sms : {4, 8, 16, 24}) {
     const double round = seconds([&](Gpu& g) {
@@ -429,10 +454,12 @@ void engine_hybrid_row(int engine_runs) {
         signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
         CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
         wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
+        std::vector<Copy> copies;
         for (int j = 0; j < k; ++j)
-          CHECK(cudaMemcpyAsync(peer.out + static_cast<size_t>(slot[runs[j].first]) * kRowBytes,
-                                g.src + static_cast<size_t>(runs[j].first) * kRowBytes,
-                                static_cast<size_t>(runs[j].second) * kRowBytes, cudaMemcpyDeviceToDevice, g.copy));
+          copies.push_back({peer.out + static_cast<size_t>(slot[runs[j].first]) * kRowBytes,
+                            g.src + static_cast<size_t>(runs[j].first) * kRowBytes,
+                            static_cast<size_t>(runs[j].second) * kRowBytes});
+        engine_copies(copies, batched, g.copy);
         signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
       }
       listed_rows<<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(peer.out), reinterpret_cast<int4*>(g.own),
@@ -452,6 +479,11 @@ void engine_hybrid_row(int engine_runs) {
     CHECK(cudaSetDevice(g.id));
     for (int l = 0; l < 2; ++l) CHECK(cudaFree(lists[g.id][l]));
   }
+}
+
+void hybrid_rows() {
+  for (int engine_runs : {0, 1, 2, 4, 8, 1000}) engine_hybrid_row(engine_runs, false);
+  for (int engine_runs : {8, 1000}) engine_hybrid_row(engine_runs, true);
 }
 
 // The sum's rate: GB/s of output rows (each reads two rows and writes one).
@@ -598,7 +630,7 @@ int main(int argc, char** argv) {
   std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
   const std::string only = argc < 2 ? "" : argv[1];
   if (only == "hybrid") {
-    for (int engine_runs : {0, 1, 2, 4, 8, 1000}) engine_hybrid_row(engine_runs);
+    hybrid_rows();
     return 0;
   }
   if (only == "landing") {
@@ -630,7 +662,8 @@ int main(int argc, char** argv) {
   engine_and_sms_row(false);
   engine_and_sms_row(true);
   for (int pieces : {1, 4, 8, 16}) engine_staged_row(pieces);
-  for (int runs : {1, 16, 64}) engine_direct_row(runs);
-  for (int engine_runs : {0, 1, 2, 4, 8, 1000}) engine_hybrid_row(engine_runs);
+  for (int runs : {1, 16, 64}) engine_direct_row(runs, false);
+  for (int runs : {16, 64}) engine_direct_row(runs, true);
+  hybrid_rows();
   return 0;
 }
