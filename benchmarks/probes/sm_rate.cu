@@ -345,11 +345,32 @@ void engine_copies(const std::vector<Copy>& copies, bool batched, cudaStream_t s
   CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attributes, &first, 1, stream));
 }
 
+// The engine's copies straight into the peer's output, stream-ordered with the peer: a one-thread wait
+// on the copy stream for the peer's go (its stream has reached the dispatch, so its output may be
+// written), the copies, a one-thread signal that the peer's stream waits for. Returns the round's value
+// for end_direct_copies.
+uint64_t queue_direct_copies(Gpu& g, const std::vector<Copy>& copies, bool batched) {
+  const Gpu& peer = gpus[1 - g.id];
+  // Both GPUs count their rounds alike; the count only grows, so a round never sees an earlier one's word.
+  const uint64_t value = ++g.rounds;
+  signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
+  CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
+  wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
+  engine_copies(copies, batched, g.copy);
+  signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
+  return value;
+}
+
+// This GPU's stream waits for the peer's copies into it (and for its own copy stream).
+void end_direct_copies(Gpu& g, uint64_t value) {
+  wait_for_word<<<1, 1, 0, g.stream>>>(g.arrived, value);
+  CHECK(cudaEventRecord(g.copied, g.copy));
+  CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+}
+
 // The 2-rank dispatch straight into the peer's output, whole: the own rows by `sms` SMs; the rows into
 // the peer by this GPU's engine in `runs` copies of consecutive tokens (a token between runs stays
-// home, as tokens routed elsewhere do), behind a one-thread wait for the peer's go (its stream has
-// reached the dispatch, so its output may be written) and followed by a one-thread signal that the
-// peer's stream waits for before its dispatch ends.
+// home, as tokens routed elsewhere do), ordered with the peer as queue_direct_copies says.
 void engine_direct_row(int runs, bool batched) {
   const int rows_per_run = kRows / runs;
   std::printf("%-28s %-18s",
@@ -358,11 +379,6 @@ void engine_direct_row(int runs, bool batched) {
   for (int sms : {1, 2, 4, 8, 16}) {
     const double round = seconds([&](Gpu& g) {
       const Gpu& peer = gpus[1 - g.id];
-      // Both GPUs count their rounds alike; the count only grows, so a round never sees an earlier one's word.
-      const uint64_t value = ++g.rounds;
-      signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
-      CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
-      wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
       std::vector<Copy> copies;
       int64_t to = 0;
       for (int k = 0; k < runs; ++k) {
@@ -371,13 +387,10 @@ void engine_direct_row(int runs, bool batched) {
         copies.push_back({peer.out + to * kRowBytes, g.src + first * kRowBytes, static_cast<size_t>(rows) * kRowBytes});
         to += rows;
       }
-      engine_copies(copies, batched, g.copy);
-      signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
+      const uint64_t value = queue_direct_copies(g, copies, batched);
       register_rows<8, 512><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.own), nullptr,
                                                        reinterpret_cast<const int4*>(g.src), kCopy, g.sink);
-      wait_for_word<<<1, 1, 0, g.stream>>>(g.arrived, value);
-      CHECK(cudaEventRecord(g.copied, g.copy));
-      CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
+      end_direct_copies(g, value);
     });
     std::printf("  %2d SMs %6.1f (%5.1f us)", sms, 2.0 * kRows * kRowBytes / round / 1e9, round * 1e6);
   }
@@ -404,7 +417,7 @@ std::vector<std::pair<int, int>> routed_runs() {
 }
 
 // The 2-rank dispatch split: this GPU's engine copies the `engine_runs` longest runs straight into the
-// peer's output (behind the peer's go, a signal after them, as engine_direct_row), and `sms` SMs copy
+// peer's output (queue_direct_copies), and `sms` SMs copy
 // the other routed rows into the peer and every own row locally. engine_runs 0: SMs move everything.
 void engine_hybrid_row(int engine_runs, bool batched) {
   const auto runs = routed_runs();
@@ -449,27 +462,16 @@ void engine_hybrid_row(int engine_runs, bool batched) {
   for (int sms : {4, 8, 16, 24}) {
     const double round = seconds([&](Gpu& g) {
       const Gpu& peer = gpus[1 - g.id];
-      const uint64_t value = ++g.rounds;
-      if (k > 0) {
-        signal_word<<<1, 1, 0, g.stream>>>(peer.go, value);
-        CHECK(cudaStreamWaitEvent(g.copy, g.start, 0));
-        wait_for_word<<<1, 1, 0, g.copy>>>(g.go, value);
-        std::vector<Copy> copies;
-        for (int j = 0; j < k; ++j)
-          copies.push_back({peer.out + static_cast<size_t>(slot[runs[j].first]) * kRowBytes,
-                            g.src + static_cast<size_t>(runs[j].first) * kRowBytes,
-                            static_cast<size_t>(runs[j].second) * kRowBytes});
-        engine_copies(copies, batched, g.copy);
-        signal_word<<<1, 1, 0, g.copy>>>(peer.arrived, value);
-      }
+      std::vector<Copy> copies;
+      for (int j = 0; j < k; ++j)
+        copies.push_back({peer.out + static_cast<size_t>(slot[runs[j].first]) * kRowBytes,
+                          g.src + static_cast<size_t>(runs[j].first) * kRowBytes,
+                          static_cast<size_t>(runs[j].second) * kRowBytes});
+      const uint64_t value = k > 0 ? queue_direct_copies(g, copies, batched) : 0;
       listed_rows<<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(peer.out), reinterpret_cast<int4*>(g.own),
                                              reinterpret_cast<const int4*>(g.src), lists[g.id][0], lists[g.id][1],
                                              n_remote);
-      if (k > 0) {
-        wait_for_word<<<1, 1, 0, g.stream>>>(g.arrived, value);
-        CHECK(cudaEventRecord(g.copied, g.copy));
-        CHECK(cudaStreamWaitEvent(g.stream, g.copied, 0));
-      }
+      if (k > 0) end_direct_copies(g, value);
     });
     std::printf("  %2d SMs %5.1f us", sms, round * 1e6);
   }
@@ -578,6 +580,8 @@ void landing_order(int pause_ns) {
   std::vector<uint64_t> first(kRows), last(kRows);
   CHECK(cudaMemcpy(first.data(), first_at, kRows * sizeof(uint64_t), cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(last.data(), last_at, kRows * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  CHECK(cudaFree(first_at));
+  CHECK(cudaFree(last_at));
   uint64_t origin = ~0ull;
   for (int r = 0; r < kRows; ++r)
     if (first[r] != 0) origin = std::min(origin, first[r]);
