@@ -361,6 +361,14 @@ PYBIND11_MODULE(_C, m) {
         "A direct dispatch's outputs in the output region, their addresses set in args: one uint8 capsule per "
         "output of blocks ([[(output index, bytes per row, 2-D), ...] per block]), or None when a block has no room.");
 
+  py::class_<OwnRuns, std::shared_ptr<OwnRuns>>(m, "OwnRuns",
+                                                 "The runs of tokens a rank sends to itself in one dispatch (opaque).")
+      .def_property_readonly("runs", [](const OwnRuns& self) {
+        std::vector<std::tuple<int, int, int>> runs;
+        for (size_t i = 0; i < self.first.size(); ++i) runs.emplace_back(self.first[i], self.end[i], self.first_row[i]);
+        return runs;
+      }, "[(first token, one past the last, recv_x row of the first)] (for tests).");
+
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
       .def(py::init<int, int, int64_t, double, int64_t, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"),
            py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("staging_bytes") = 0, py::arg("output_bytes") = 0,
@@ -397,13 +405,18 @@ PYBIND11_MODULE(_C, m) {
                           uintptr_t stream) { self.dispatch(args, as_stream(stream)); },
            py::arg("args"), py::arg("stream"), "The ring dispatch.")
       .def("direct_dispatch", [](IntranodeRuntime& self, const intranode::DispatchArgs& args, int64_t num_recv_rows,
-                                 bool has_room, uintptr_t stream) {
-             self.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream));
+                                 bool has_room, uintptr_t stream, int own_runs_tag,
+                                 std::shared_ptr<OwnRuns> own_runs) {
+             return self.direct_dispatch(args, num_recv_rows, has_room, as_stream(stream), own_runs_tag,
+                                         std::move(own_runs));
            },
            py::arg("args"), py::arg("num_recv_rows"), py::arg("has_room"), py::arg("stream"),
+           py::arg("own_runs_tag") = 0, py::arg("own_runs") = nullptr,
            "Senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every rank "
            "of the call must take this path. has_room false: this rank's outputs are elsewhere (its region was "
-           "full), and every rank falls back to the rings.")
+           "full), and every rank falls back to the rings. The copy engine writes this rank's own rows where "
+           "they form few runs: those of own_runs (a cached dispatch), or of the notify tagged own_runs_tag. "
+           "Returns the runs used (OwnRuns, for the handle), or None.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", [](IntranodeRuntime& self, const intranode::CombineArgs& args,

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,14 @@ namespace ep_plugin {
 struct NotifyCounts {
   std::vector<int> num_recv_tokens_per_rank;
   std::vector<int> num_recv_tokens_per_expert;
+};
+
+// The runs of consecutive tokens a rank sends to itself in a dispatch (notify finds them): the copy
+// engine copies each run of rows into recv_x, and the direct dispatch's SMs write only the rows for peers.
+struct OwnRuns {
+  std::vector<int32_t> first;      // first token of each run
+  std::vector<int32_t> end;        // one past its last token
+  std::vector<int32_t> first_row;  // recv_x row of its first token
 };
 
 // A copy-engine combine (see IntranodeRuntime::staged_combine).
@@ -68,7 +77,12 @@ class IntranodeRuntime {
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
   // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
   // in its region (has_room false: the region was full) makes every rank fall back to the rings.
-  void direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room, cudaStream_t stream);
+  // The copy engine writes this rank's own rows where its own tokens form at most kMaxOwnRuns runs and the
+  // kernel has at most kOwnRowsByEngineMaxBlocks blocks: the runs of `own_runs` (a cached dispatch), or
+  // with `own_runs_tag` > 0 those of that notify (waited for). Returns those runs (null: none), for the handle.
+  std::shared_ptr<OwnRuns> direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
+                                           cudaStream_t stream, int own_runs_tag = 0,
+                                           std::shared_ptr<OwnRuns> own_runs = nullptr);
   // Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).
   bool direct_fell_back() const;
   void combine(intranode::CombineArgs args, cudaStream_t stream);
@@ -89,6 +103,13 @@ class IntranodeRuntime {
 
  private:
   void require_connected() const;
+  // Host wait until `word` (in mapped host memory) reads `tag`; raises on device errors, a failed stream
+  // and after the timeout (naming `what`).
+  void wait_for_tag(const volatile int32_t& word, int tag, cudaStream_t stream, const char* what) const;
+  // The own runs notify published with `tag` (waited for), or null where there are more than kMaxOwnRuns.
+  std::shared_ptr<OwnRuns> published_own_runs(int tag, cudaStream_t stream) const;
+  // One copy per run of `runs` from x into recv_x on the own-rows stream, after own_fork_; own_join_ after.
+  void copy_own_rows(const intranode::DispatchArgs& args, const OwnRuns& runs);
   void require_buffer_fits(int64_t needed, const char* op) const;
   // Throws unless the dispatch's rings fit the buffer.
   void require_rings_fit(const intranode::DispatchArgs& args) const;
@@ -144,6 +165,9 @@ class IntranodeRuntime {
   bool dispatch_bulk_rows_ = false;  // sm_90 on
   void* write_value64_ = nullptr;  // the driver's cuStreamWriteValue64
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // The direct dispatch's own rows by copy engine.
+  cudaStream_t own_rows_stream_ = nullptr;
+  cudaEvent_t own_fork_ = nullptr, own_join_ = nullptr;
   // The copy-engine combine's copies to each owner (more streams per owner were measured: no faster,
   // the copies to one peer share its engine).
   cudaStream_t copy_streams_[kMaxNvlPeers] = {};  // [owner]

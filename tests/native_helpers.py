@@ -114,6 +114,11 @@ def make_routing(kind: str, T: int, E: int, K: int, R: int, gen: torch.Generator
         idx[:, 0] = 3 % E
     elif kind == "unrouted":
         idx = torch.full((T, K), -1, dtype=torch.int64)
+    elif kind == "alternate":  # token t only to rank t % R's experts: each rank's tokens for itself in T / R runs
+        k = min(K, E_local)
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, :k] = torch.rand(T, E_local, generator=gen).topk(k, dim=1).indices
+        idx[:, :k] += (torch.arange(T) % R * E_local).unsqueeze(1)
     else:
         raise ValueError(kind)
     return idx.to(torch.int64)

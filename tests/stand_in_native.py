@@ -124,7 +124,9 @@ class StandInIntranodeRuntime:
     def dispatch(self, args, stream: int) -> None:
         self.launched_at = time.perf_counter()
 
-    def direct_dispatch(self, args, num_recv_rows: int, has_room: bool, stream: int) -> None:
+    def direct_dispatch(self, args, num_recv_rows: int, has_room: bool, stream: int, own_runs_tag: int = 0,
+                        own_runs=None) -> None:
+        """No copy engine here: the own rows' runs are never used (None)."""
         self.launched_at = time.perf_counter()
 
     def direct_fell_back(self) -> bool:
@@ -161,7 +163,8 @@ class RecordingIntranodeRuntime(StandInIntranodeRuntime):
     def dispatch(self, args, stream: int) -> None:
         self.launches.append(("dispatch", fields_of(args), ()))
 
-    def direct_dispatch(self, args, num_recv_rows: int, has_room: bool, stream: int) -> None:
+    def direct_dispatch(self, args, num_recv_rows: int, has_room: bool, stream: int, own_runs_tag: int = 0,
+                        own_runs=None) -> None:
         self.launches.append(("direct_dispatch", fields_of(args), (num_recv_rows, has_room)))
 
     def combine(self, args, stream: int) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ep_plugin import Buffer, Config, EpTimeoutError
 from ep_plugin.config import as_config
+from ep_plugin.handles import unwrap
 from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
 from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, dispatch_and_combine, dispatch_error,
@@ -52,7 +53,9 @@ CASES = NORMAL_MODE_CASES + (
        dict(name="topk32_many_rows", T=1500, H=2048, K=32, E=64),
        # Expert outputs and weights holding the copy-engine combine's not-landed mark (NaN words).
        dict(name="unlanded_words", T=1200, H=4096, K=8, E=64, unlanded_words=True),
-       dict(name="unlanded_words_bias", T=600, H=2048, K=8, E=64, bias=1, unlanded_words=True)]
+       dict(name="unlanded_words_bias", T=600, H=2048, K=8, E=64, bias=1, unlanded_words=True),
+       # Each rank's tokens for itself in 250 runs: more than the copy engine takes (the SMs copy them).
+       dict(name="routing_alternate", T=500, H=4096, K=8, E=64, routing="alternate")]
 )
 
 
@@ -64,9 +67,9 @@ def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
 
 
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, dispatch_output_bytes=0,
-               direct_chunk_tokens=1) -> list:
+               direct_chunk_tokens=1, num_sms=24) -> list:
     torch.manual_seed(rank)
-    native, reference = make_buffers(group, combine_staging_tokens=combine_staging_tokens,
+    native, reference = make_buffers(group, num_sms=num_sms, combine_staging_tokens=combine_staging_tokens,
                                      dispatch_output_bytes=dispatch_output_bytes,
                                      direct_chunk_tokens=direct_chunk_tokens)
     settings = as_config({"buffer": {"dispatch_output_bytes": dispatch_output_bytes}}).buffer
@@ -164,6 +167,64 @@ def test_cases_multi_rank_direct_outputs_chunks_of_3():
     in_order = [c["name"] for c in CASES if c["name"] in CHUNK_CASES]
     assert sorted(in_order) == sorted(CHUNK_CASES)
     assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, 3) == [in_order] * RANKS
+
+
+# At 8 SMs (8 blocks) the copy engine writes each rank's rows for itself where they form few runs of tokens.
+OWN_ROWS_BY_ENGINE_CASES = ("hidden7168", "fp8_hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
+                            "routing_one_rank", "routing_unrouted", "empty_rank", "large", "num_worst",
+                            "routing_alternate")
+
+
+def direct_cases_rank_8_sms(rank: int, R: int, group, names) -> list:
+    return cases_rank(rank, R, group, names, dispatch_output_bytes=direct_output_bytes(R), num_sms=8)
+
+
+@needs_ranks(RANKS)
+def test_cases_multi_rank_direct_outputs_own_rows_by_copy_engine():
+    in_order = [c["name"] for c in CASES if c["name"] in OWN_ROWS_BY_ENGINE_CASES]
+    assert sorted(in_order) == sorted(OWN_ROWS_BY_ENGINE_CASES)
+    assert parallel_launch(RANKS, direct_cases_rank_8_sms, in_order) == [in_order] * RANKS
+
+
+def own_runs_rank(rank: int, R: int, group, routings) -> list:
+    """Per routing: the runs of tokens this rank sends to itself that notify found for the copy engine,
+    against those of is_token_in_rank (None: more than kMaxOwnRuns, the SMs copy them), and whether the
+    cached dispatch kept them. The outputs themselves are run_case's (the test above)."""
+    native, _ = make_buffers(group, num_sms=8, dispatch_output_bytes=direct_output_bytes(R))
+    results = []
+    for i, routing in enumerate(routings):
+        case = dict(T=4096, H=7168, K=8, E=256, routing=routing)
+        x, topk_idx, weights = make_inputs(rank, R, case, seed=3000 + i)
+        num_per_rank, _, num_per_expert, in_rank, _ = native.get_dispatch_layout(topk_idx, case["E"])
+        _, _, _, _, handle, _ = native.dispatch(x, num_tokens_per_rank=num_per_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=num_per_expert, topk_idx=topk_idx,
+                                                topk_weights=weights)
+        own_runs = unwrap(handle).own_runs
+        got = None if own_runs is None else own_runs.runs
+        mine = in_rank[:, rank].cpu().tolist()
+        starts = [t for t in range(len(mine)) if mine[t] and (t == 0 or not mine[t - 1])]
+        ends = [t + 1 for t in range(len(mine)) if mine[t] and (t + 1 == len(mine) or not mine[t + 1])]
+        counts = torch.empty(R * R, dtype=torch.int64, device=num_per_rank.device)  # [source, destination]
+        dist.all_gather_into_tensor(counts, num_per_rank.to(torch.int64), group=group)
+        row = int(counts.view(R, R)[:rank, rank].sum())  # this rank's rows from itself follow those before it
+        want = []
+        for first, end in zip(starts, ends):
+            want.append((first, end, row))
+            row += end - first
+        results.append(got == (want if len(want) <= 32 else None))
+        if own_runs is not None:
+            cached, _ = native.dispatch(x, handle=handle)[:2]
+            results.append(unwrap(handle).own_runs is own_runs and cached.size(0) == unwrap(handle).num_recv_rows)
+    torch.cuda.synchronize()
+    native.destroy()
+    return results
+
+
+@needs_ranks(RANKS)
+def test_direct_dispatch_own_rows_by_copy_engine_where_few_runs():
+    """Random routing: a few runs (the engine copies them, again in the cached dispatch); alternate
+    routing: T / R runs (the SMs copy them)."""
+    assert parallel_launch(RANKS, own_runs_rank, ("random", "alternate")) == [[True, True, True]] * RANKS
 
 
 @needs_ranks(RANKS)

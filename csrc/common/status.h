@@ -8,6 +8,9 @@ namespace ep_plugin {
 
 constexpr int kMaxNvlPeers = 8;
 constexpr int kMaxLocalExperts = 1024;
+// A dispatch's own rows may go by copy engine when this rank's tokens for itself form at most this many
+// runs of consecutive tokens (one copy each, about 7 us of host time on the VMs here); notify publishes them.
+constexpr int kMaxOwnRuns = 32;
 
 enum ErrorCode : int32_t {
   kErrNone = 0,
@@ -65,6 +68,12 @@ struct DeviceStatus {
   volatile int64_t bad_input_detail[3];
   volatile int32_t num_recv_tokens_per_rank[kMaxNvlPeers];  // rows received from each source rank
   volatile int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
+  // The runs of consecutive tokens this rank sends to itself, published by notify after the count (its
+  // send_pos scan finds them); `own_runs_tag` is written last. `num_own_runs` -1: more than kMaxOwnRuns.
+  volatile int32_t own_runs_tag;
+  volatile int32_t num_own_runs;
+  volatile int32_t own_run_first[kMaxOwnRuns];  // first token of run i
+  volatile int32_t own_run_end[kMaxOwnRuns];    // one past its last token
 };
 
 }  // namespace ep_plugin

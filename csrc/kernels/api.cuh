@@ -69,6 +69,7 @@ struct DispatchArgs {
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (>= 1)
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
+  bool own_rows_by_engine;          // direct dispatch: the copy engine writes this rank's own rows of recv_x
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   DeviceStatus* status;
   uint64_t timeout_ns;
@@ -80,6 +81,12 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // dispatch after it with only_after_fallback (a programmatic dependent launch, which overlaps the
 // direct kernel's end).
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// The direct dispatch's blocks: num_channels * 2, at most direct_max_blocks.
+int direct_dispatch_blocks(const DispatchArgs& args);
+// Blocks of the direct dispatch up to which the copy engine writes the own rows (where notify found few runs
+// of them). Fewer blocks than about 15 cannot fill an EP2 link while they also write the own rows (8 SMs
+// write about 390 GB/s in that pattern, 48 per SM); at 16 they can, and each copy costs the host about 7 us.
+constexpr int kOwnRowsByEngineMaxBlocks = 12;
 
 // ---- combine (intranode_combine.cu) -------------------------------------------------------------
 struct CombineArgs {

@@ -205,14 +205,18 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
 
     int row_of[kMaxNvlPeers];
     uint8_t* dst[kMaxNvlPeers];
+    // Ranks whose row this warp writes: the own row may be the copy engine's.
+    const uint32_t row_mask = a.own_rows_by_engine ? dst_mask & ~(1u << a.rank) : dst_mask;
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r) {
       row_of[r] = shfl(pos, r);
-      dst[r] = r < R && (dst_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
+      dst[r] = r < R && (row_mask >> r & 1u) ? outputs[r].x + static_cast<int64_t>(row_of[r]) * a.row_bytes : nullptr;
     }
     // Lane r writes rank r's rows.
-    uint8_t* const lane_dst = pos < 0 ? nullptr : outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes;
-    rows.copy(a, t, k, dst, lane_dst, tokens);
+    uint8_t* const lane_dst = (row_mask >> lane & 1u) ? outputs[lane].x + static_cast<int64_t>(pos) * a.row_bytes
+                                                      : nullptr;
+    if (row_mask != 0) rows.copy(a, t, k, dst, lane_dst, tokens);
+    else rows.skip(k, tokens);
     prefetched_token = tokens.lookahead(k + 1);
     prefetched_pos = load_pos(prefetched_token);
     metadata.store(a, outputs, t, pos, row_of, dst_mask);
@@ -291,16 +295,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) direct_dispatch_kernel(Di
 
 }  // namespace
 
+int direct_dispatch_blocks(const DispatchArgs& args) {
+  return args.direct_max_blocks > 0 && args.direct_max_blocks < args.num_channels * 2 ? args.direct_max_blocks
+                                                                                       : args.num_channels * 2;
+}
+
 void launch_direct_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_dispatch_args(args);
   EP_CHECK_ARG(args.direct_max_blocks >= 0, "dispatch.direct_max_blocks must be >= 0, got " << args.direct_max_blocks);
   EP_CHECK_ARG(args.direct_chunk_tokens >= 1,
                "dispatch.direct_chunk_tokens must be >= 1, got " << args.direct_chunk_tokens);
-  const int num_blocks = args.direct_max_blocks > 0 && args.direct_max_blocks < args.num_channels * 2
-                             ? args.direct_max_blocks
-                             : args.num_channels * 2;
   const int shared_bytes = bulk_rows_shared_bytes_for<direct_dispatch_kernel>(args);
-  direct_dispatch_kernel<<<num_blocks, kThreadsPerBlock, shared_bytes, stream>>>(args);
+  direct_dispatch_kernel<<<direct_dispatch_blocks(args), kThreadsPerBlock, shared_bytes, stream>>>(args);
   CUDA_CHECK(cudaGetLastError());
 }
 

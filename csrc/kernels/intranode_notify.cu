@@ -29,6 +29,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __shared__ int offset_on_rank[kMaxNvlPeers];  // first row of this rank's block on each destination
   __shared__ int warp_totals[kMaxNvlPeers][kNotifyWarps];
   __shared__ int running_base[kMaxNvlPeers];
+  __shared__ int run_totals[2][kNotifyWarps];  // per warp: own runs that start, that end in its tokens
+  __shared__ int run_base[2];
   __shared__ int bad_rank;
   __shared__ int other_layout_rank;  // the first rank whose row layout differs from this rank's (-1: none)
   __shared__ bool failed;            // this rank has recorded an error: every thread leaves
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     failed = error_claimed(&me->error_claim);
   }
   if (tid < kMaxNvlPeers) token_counts[tid] = 0, running_base[tid] = 0;
+  if (tid < 2) run_base[tid] = 0;
   __syncthreads();
   if (failed) return;
 
@@ -210,6 +213,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       lane_prefix[r] = __popc(ballot & ((1u << lane) - 1u));
       if (lane == 0 && r < R) warp_totals[r][warp] = __popc(ballot);
     }
+    // This rank's own runs: token t starts one when it is sent here and t - 1 is not, ends one when
+    // t + 1 is not.
+    const bool own = valid && flags[args.rank];
+    const bool lane_before = __shfl_up_sync(0xffffffffu, own, 1), lane_after = __shfl_down_sync(0xffffffffu, own, 1);
+    const bool own_before = lane > 0 ? lane_before
+                                     : t > 0 && args.is_token_in_rank[static_cast<int64_t>(t - 1) * R + args.rank];
+    const bool own_after = lane < 31 ? lane_after
+                                     : t + 1 < args.num_tokens &&
+                                           args.is_token_in_rank[static_cast<int64_t>(t + 1) * R + args.rank];
+    const bool starts = own && !own_before;
+    const bool ends = own && !own_after;
+    const uint32_t start_ballot = __ballot_sync(0xffffffffu, starts), end_ballot = __ballot_sync(0xffffffffu, ends);
+    if (lane == 0) run_totals[0][warp] = __popc(start_ballot), run_totals[1][warp] = __popc(end_ballot);
     __syncthreads();
     if (tid < R) {  // thread r turns warp totals into exclusive warp offsets
       int acc = running_base[tid];
@@ -219,6 +235,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
         acc += count;
       }
       running_base[tid] = acc;
+    } else if (tid >= 32 && tid < 34) {  // the runs' starts and ends alike
+      const int kind = tid - 32;
+      int acc = run_base[kind];
+      for (int w = 0; w < kNotifyWarps; ++w) {
+        const int count = run_totals[kind][w];
+        run_totals[kind][w] = acc;
+        acc += count;
+      }
+      run_base[kind] = acc;
     }
     __syncthreads();
     if (valid) {
@@ -228,7 +253,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
           args.send_pos[static_cast<int64_t>(t) * R + r] =
               sent[r] ? offset_on_rank[r] + warp_totals[r][warp] + lane_prefix[r] : -1;
     }
+    if (args.host_tag > 0) {
+      const uint32_t before = (1u << lane) - 1u;
+      const int start_index = run_totals[0][warp] + __popc(start_ballot & before);
+      const int end_index = run_totals[1][warp] + __popc(end_ballot & before);
+      if (starts && start_index < kMaxOwnRuns) args.status->own_run_first[start_index] = t;
+      if (ends && end_index < kMaxOwnRuns) args.status->own_run_end[end_index] = t + 1;
+    }
     __syncthreads();
+  }
+  if (tid == 0 && args.host_tag > 0) {
+    args.status->num_own_runs = run_base[0] <= kMaxOwnRuns ? run_base[0] : -1;
+    __threadfence_system();
+    args.status->own_runs_tag = args.host_tag;
   }
 
   // 8. Advance the epoch.

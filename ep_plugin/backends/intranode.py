@@ -65,6 +65,7 @@ class NativeHandle:
     notify: NotifyOutputs            # send_pos, recv_rank_offsets, src_num_tokens, the received count
     recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
     num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
+    own_runs: Optional[object] = None  # _C.OwnRuns: the own rows went by copy engine, and go so again when cached
 
     @property
     def send_pos(self) -> torch.Tensor:  # [T, R] int32
@@ -194,13 +195,14 @@ class IntranodeMode(NativeBase):
                                           num_worst_tokens, config, stream, with_metadata=True)
         num_recv = runtime.wait_notify(host_tag, stream) if num_worst_tokens == 0 else None
         rows = num_worst_tokens if num_recv is None else num_recv
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(rows)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(rows, own_runs_tag=host_tag)
         # The counts' lists are built after the launch: the GPU waits for nothing else.
         per_rank, per_expert = (None, []) if num_recv is None else runtime.notify_counts(num_local_experts)
         self.last_dispatch_path = dispatch.path
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
-                              notify=notify, recv_src_idx=recv_src_idx, num_recv_per_rank=per_rank)
+                              notify=notify, recv_src_idx=recv_src_idx, num_recv_per_rank=per_rank,
+                              own_runs=dispatch.own_runs)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
 
     def _direct_dispatch_possible(self) -> bool:
@@ -261,7 +263,7 @@ class IntranodeMode(NativeBase):
         self._check_sms(config)
         dispatch = self._prepare_dispatch(x, x_scales, None, None, handle.notify, 1, handle.num_worst_tokens, config,
                                           self._stream(), with_metadata=False)
-        recv_x, recv_scales = dispatch.launch(handle.num_recv_rows)
+        recv_x, recv_scales = dispatch.launch(handle.num_recv_rows, own_runs=handle.own_runs)
         self.last_dispatch_path = dispatch.path
         return recv_x, recv_scales
 
@@ -340,7 +342,8 @@ class PreparedDispatch:
     Direct (`region` given): the outputs go into the output region, in two blocks (the rows and their
     scales go back with recv_x, the metadata with the handle). Where the region has no room they are
     ordinary tensors, and the direct dispatch falls back to the rings on every rank (the kernels agree
-    on it; no rank raises). Rings (`region` None): ordinary tensors.
+    on it; no rank raises). Rings (`region` None): ordinary tensors. The copy engine writes this rank's
+    own rows where they form few runs of tokens (`own_runs`: the runtime's answer, kept by the handle).
     """
 
     _FIELDS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
@@ -362,14 +365,16 @@ class PreparedDispatch:
         if not self.blocks[1]:
             del self.blocks[1]
         self.placed = [output for block in self.blocks for output in block]  # in the order of the capsules
+        self.own_runs = None
 
-    def launch(self, rows: int) -> List[Optional[torch.Tensor]]:
-        """Place the outputs of `rows` rows, launch the dispatch into them; the outputs (None where absent)."""
+    def launch(self, rows: int, own_runs_tag: int = 0, own_runs=None) -> List[Optional[torch.Tensor]]:
+        """Place the outputs of `rows` rows, launch the dispatch into them; the outputs (None where absent).
+        The own rows' runs: those of the notify tagged `own_runs_tag`, or `own_runs` (a cached dispatch)."""
         if self.region is not None:
             # One extension call places every output and sets its address; torch's tensors come after the launch.
             capsules = self.region.place_direct_outputs(self.args, rows, self.blocks, self.stream)
             if capsules is not None:
-                self.runtime.direct_dispatch(self.args, rows, True, self.stream)
+                self.own_runs = self.runtime.direct_dispatch(self.args, rows, True, self.stream, own_runs_tag, own_runs)
                 return self._from_capsules(capsules)
         outputs = self._ordinary(rows)
         for field, tensor in zip(self.fields, outputs):
