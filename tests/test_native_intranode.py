@@ -169,7 +169,7 @@ def test_cases_multi_rank_direct_outputs_chunks_of_3():
     assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, 3) == [in_order] * RANKS
 
 
-# At 8 SMs (8 blocks) the copy engine writes each rank's rows for itself where they form few runs of 3 MB
+# At 8 SMs (8 blocks) the copy engine writes each rank's rows for itself where they form few runs of 2.5 MiB
 # or more on average (`large`); in the other cases the SMs write them, as at 24 SMs.
 OWN_ROWS_BY_ENGINE_CASES = ("hidden7168", "fp8_hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
                             "routing_one_rank", "routing_unrouted", "empty_rank", "large", "num_worst",
