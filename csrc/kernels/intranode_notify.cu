@@ -22,6 +22,17 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 
+// Per-warp counts into exclusive offsets from `base`; `base` moves past them.
+__device__ __forceinline__ void warp_counts_to_offsets(int (&counts)[kNotifyWarps], int& base) {
+  int offset = base;
+  for (int w = 0; w < kNotifyWarps; ++w) {
+    const int count = counts[w];
+    counts[w] = offset;
+    offset += count;
+  }
+  base = offset;
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs args) {
   __shared__ int token_counts[kMaxNvlPeers];
   __shared__ int first_bad_entry;
@@ -227,24 +238,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     const uint32_t start_ballot = __ballot_sync(0xffffffffu, starts), end_ballot = __ballot_sync(0xffffffffu, ends);
     if (lane == 0) run_totals[0][warp] = __popc(start_ballot), run_totals[1][warp] = __popc(end_ballot);
     __syncthreads();
-    if (tid < R) {  // thread r turns warp totals into exclusive warp offsets
-      int acc = running_base[tid];
-      for (int w = 0; w < kNotifyWarps; ++w) {
-        const int count = warp_totals[tid][w];
-        warp_totals[tid][w] = acc;
-        acc += count;
-      }
-      running_base[tid] = acc;
-    } else if (tid >= 32 && tid < 34) {  // the runs' starts and ends alike
-      const int kind = tid - 32;
-      int acc = run_base[kind];
-      for (int w = 0; w < kNotifyWarps; ++w) {
-        const int count = run_totals[kind][w];
-        run_totals[kind][w] = acc;
-        acc += count;
-      }
-      run_base[kind] = acc;
-    }
+    // Thread r turns rank r's warp totals into exclusive warp offsets; threads 32 and 33 the runs' starts and ends.
+    if (tid < R) warp_counts_to_offsets(warp_totals[tid], running_base[tid]);
+    else if (tid >= 32 && tid < 34) warp_counts_to_offsets(run_totals[tid - 32], run_base[tid - 32]);
     __syncthreads();
     if (valid) {
 #pragma unroll
