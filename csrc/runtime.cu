@@ -19,9 +19,9 @@ namespace ep_plugin {
 namespace {
 
 // The host spends about 7 us per cudaMemcpyAsync on the VMs here, and a copy within a GPU moves 400 GB/s:
-// runs shorter than this on average leave the engine waiting for the host (EP2 at 8 SMs: FP8 rows, 1.8 MB
-// a run, made the cached dispatch host-bound, 264 us against the SMs' 161; BF16, 3.7 MB a run, 187 us
-// against 295). NOTE: an EP2 BF16 dispatch of 4096 tokens has 16 runs on average; this limit takes up to 22.
+// runs shorter than this on average leave the engine waiting for the host (EP2 at 8 SMs, cached dispatch:
+// FP8 rows, 1.8 MB a run, host-bound at 264 us against the SMs' 161; BF16, 3.7 MB a run, 187 us against
+// the SMs' 295). NOTE: an EP2 BF16 dispatch of 4096 tokens has 16 runs on average; this limit takes up to 22.
 constexpr int64_t kMinOwnRunBytes = 5 << 19;  // 2.5 MiB
 
 bool engine_copies_pay(const intranode::DispatchArgs& args, const OwnRuns& runs) {
