@@ -415,8 +415,8 @@ PYBIND11_MODULE(_C, m) {
            "Senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every rank "
            "of the call must take this path. has_room false: this rank's outputs are elsewhere (its region was "
            "full), and every rank falls back to the rings. The copy engine writes this rank's own rows where "
-           "they form few runs: those of own_runs (a cached dispatch), or of the notify tagged own_runs_tag. "
-           "Returns the runs used (OwnRuns, for the handle), or None.")
+           "they form few long runs: those of own_runs (a cached dispatch), or of the notify tagged own_runs_tag. "
+           "Returns the runs (OwnRuns, for the handle), or None.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")
       .def("combine", [](IntranodeRuntime& self, const intranode::CombineArgs& args,
