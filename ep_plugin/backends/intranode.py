@@ -65,7 +65,7 @@ class NativeHandle:
     notify: NotifyOutputs            # send_pos, recv_rank_offsets, src_num_tokens, the received count
     recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
     num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
-    own_runs: Optional[object] = None  # _C.OwnRuns: the own rows went by copy engine, and go so again when cached
+    own_runs: Optional[object] = None  # _C.OwnRuns: this rank's runs of tokens for itself (the copy engine's, at few SMs)
 
     @property
     def send_pos(self) -> torch.Tensor:  # [T, R] int32
