@@ -65,7 +65,7 @@ class NativeHandle:
     notify: NotifyOutputs            # send_pos, recv_rank_offsets, src_num_tokens, the received count
     recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
     num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
-    own_runs: Optional[object] = None  # _C.OwnRuns: this rank's runs of tokens for itself (the copy engine's, at few SMs)
+    own_runs: Optional[object] = None  # _C.OwnRuns: runs of tokens this rank sends itself (copy engine, few SMs)
 
     @property
     def send_pos(self) -> torch.Tensor:  # [T, R] int32
@@ -195,7 +195,8 @@ class IntranodeMode(NativeBase):
                                           num_worst_tokens, config, stream, with_metadata=True)
         num_recv = runtime.wait_notify(host_tag, stream) if num_worst_tokens == 0 else None
         rows = num_worst_tokens if num_recv is None else num_recv
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(rows, own_runs_tag=host_tag)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(
+            rows, own_runs_tag=host_tag)
         # The counts' lists are built after the launch: the GPU waits for nothing else.
         per_rank, per_expert = (None, []) if num_recv is None else runtime.notify_counts(num_local_experts)
         self.last_dispatch_path = dispatch.path
