@@ -367,7 +367,12 @@ PYBIND11_MODULE(_C, m) {
         std::vector<std::tuple<int, int, int>> runs;
         for (size_t i = 0; i < self.first.size(); ++i) runs.emplace_back(self.first[i], self.end[i], self.first_row[i]);
         return runs;
-      }, "[(first token, one past the last, recv_x row of the first)] (for tests).");
+      }, "[(first token, one past the last, recv_x row of the first)] (for tests).")
+      .def_property_readonly("engine_runs", [](const OwnRuns& self) {
+        std::vector<std::tuple<int, int, int>> runs;
+        for (const int i : self.by_engine) runs.emplace_back(self.first[i], self.end[i], self.first_row[i]);
+        return runs;
+      }, "The runs whose rows the copy engine copied in the last dispatch with them, in token order (for tests).");
 
   py::class_<IntranodeRuntime>(m, "IntranodeRuntime")
       .def(py::init<int, int, int64_t, double, int64_t, int64_t, int, int>(), py::arg("rank"), py::arg("num_ranks"),
@@ -414,8 +419,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("own_runs_tag") = 0, py::arg("own_runs") = nullptr,
            "Senders write every rank's outputs (num_recv_rows rows, in its output region) directly; every rank "
            "of the call must take this path. has_room false: this rank's outputs are elsewhere (its region was "
-           "full), and every rank falls back to the rings. The copy engine writes this rank's own rows where "
-           "they form few long runs: those of own_runs (a cached dispatch), or of the notify tagged own_runs_tag. "
+           "full), and every rank falls back to the rings. The copy engine writes this rank's own rows of its "
+           "longest runs where they are few: those of own_runs (a cached dispatch), or of the notify tagged "
+           "own_runs_tag. "
            "Returns the runs (OwnRuns, for the handle), or None.")
       .def("direct_fell_back", &IntranodeRuntime::direct_fell_back,
            "Whether this rank's last direct dispatch fell back to the rings (synchronises with the device).")

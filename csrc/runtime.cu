@@ -2,9 +2,11 @@
 // host side of every wait. The copy-engine combine's host side is in staged_combine.cu.
 #include "runtime.cuh"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <thread>
 
@@ -18,16 +20,39 @@
 namespace ep_plugin {
 namespace {
 
-// The host spends about 7 us per cudaMemcpyAsync on the VMs here, and a copy within a GPU moves 400 GB/s:
-// runs shorter than this on average leave the engine waiting for the host (EP2 at 8 SMs, cached dispatch:
-// FP8 rows, 1.8 MB a run, host-bound at 264 us against the SMs' 161; BF16, 3.7 MB a run, 187 us against
-// the SMs' 295). NOTE: an EP2 BF16 dispatch of 4096 tokens has 16 runs on average; this limit takes up to 22.
-constexpr int64_t kMinOwnRunBytes = 5 << 19;  // 2.5 MiB
+// On the VMs here the host takes about 50 us for a cached dispatch and about 8 us more per cudaMemcpyAsync;
+// an SM stores about 38 GB/s into a peer (docs/design.md, "What 8 SMs can move").
+constexpr double kHostUsPerDispatch = 50.0;
+constexpr double kHostUsPerCopy = 8.0;
+constexpr double kPeerBytesPerUsPerSm = 38e3;
 
-bool engine_copies_pay(const intranode::DispatchArgs& args, const OwnRuns& runs) {
-  int64_t rows = 0;
-  for (size_t i = 0; i < runs.first.size(); ++i) rows += runs.end[i] - runs.first[i];
-  return rows * args.row_bytes >= static_cast<int64_t>(runs.first.size()) * kMinOwnRunBytes;
+// The copies the host can ask for while the SMs write the rows for peers, so that the copies never hold
+// the dispatch (EP2 at 8 SMs: 17 for BF16 rows, 5 for FP8). The rows from peers stand for the rows to
+// them (the host does not know those), as many in a balanced routing.
+int engine_copy_budget(const intranode::DispatchArgs& args, int64_t peer_rows) {
+  const double sm_us = static_cast<double>(peer_rows) * args.row_bytes /
+                       (kPeerBytesPerUsPerSm * intranode::direct_dispatch_blocks(args));
+  return std::max(0, static_cast<int>((sm_us - kHostUsPerDispatch) / kHostUsPerCopy));
+}
+
+// The runs whose own rows the copy engine writes: the longest, as many as engine_copy_budget allows
+// (EP2, top-8 of 256, 4096 tokens: about 16 runs; the longest 5 hold about 60% of the rows). Sets them in
+// args (in token order) and in runs.by_engine; the SMs write the own rows of the other runs.
+void choose_engine_runs(intranode::DispatchArgs& args, OwnRuns& runs, int64_t num_recv_rows) {
+  std::vector<int> longest(runs.first.size());
+  std::iota(longest.begin(), longest.end(), 0);
+  const auto length = [&runs](int i) { return runs.end[i] - runs.first[i]; };
+  std::stable_sort(longest.begin(), longest.end(), [&](int a, int b) { return length(a) > length(b); });
+  int64_t own_rows = 0;
+  for (size_t i = 0; i < runs.first.size(); ++i) own_rows += length(static_cast<int>(i));
+  const int budget = engine_copy_budget(args, num_recv_rows - own_rows);
+  runs.by_engine.assign(longest.begin(), longest.begin() + std::min<size_t>(longest.size(), budget));
+  std::sort(runs.by_engine.begin(), runs.by_engine.end());  // runs are in token order: so are these
+  args.num_engine_runs = static_cast<int>(runs.by_engine.size());
+  for (int k = 0; k < args.num_engine_runs; ++k) {
+    args.engine_run_first[k] = runs.first[runs.by_engine[k]];
+    args.engine_run_end[k] = runs.end[runs.by_engine[k]];
+  }
 }
 
 const char* op_name(int op) {
@@ -337,16 +362,18 @@ std::shared_ptr<OwnRuns> IntranodeRuntime::direct_dispatch(intranode::DispatchAr
   // the host waits for them only where this call may use them (the handle then keeps them).
   const bool few_blocks = intranode::direct_dispatch_blocks(args) <= intranode::kOwnRowsByEngineMaxBlocks;
   if (has_room && few_blocks && own_runs_tag > 0) own_runs = published_own_runs(own_runs_tag, stream);
-  args.own_rows_by_engine = has_room && few_blocks && own_runs != nullptr && engine_copies_pay(args, *own_runs);
+  args.num_engine_runs = 0;
+  if (has_room && few_blocks && own_runs != nullptr) choose_engine_runs(args, *own_runs, num_recv_rows);
+  const bool engine_copies = args.num_engine_runs > 0;
   // The copies start behind everything queued before the dispatch (the outputs' memory may be in use).
-  if (args.own_rows_by_engine) CUDA_CHECK(cudaEventRecord(own_fork_, stream));
+  if (engine_copies) CUDA_CHECK(cudaEventRecord(own_fork_, stream));
   intranode::launch_direct_dispatch(args, stream);
   // NOTE: ends at once unless some rank had no room (the direct kernel's flag in this rank's header);
   // launched as a programmatic dependent, it overlaps the direct kernel's end. On a fallback it writes
   // the own rows too, the same bytes as the engine.
   args.only_after_fallback = true;
   intranode::launch_dispatch(args, stream);
-  if (args.own_rows_by_engine) {
+  if (engine_copies) {
     copy_own_rows(args, *own_runs);
     CUDA_CHECK(cudaStreamWaitEvent(stream, own_join_, 0));
   }
@@ -374,7 +401,7 @@ void IntranodeRuntime::copy_own_rows(const intranode::DispatchArgs& args, const 
   CUDA_CHECK(cudaStreamWaitEvent(own_rows_stream_, own_fork_, 0));
   // NOTE: a copy per run: one cudaMemcpyBatchAsync call of them takes the host as long (about 7 us a copy)
   // and the engine as long (16 copies of 3.7 MB: 146 us, 400 GB/s, against 149).
-  for (size_t i = 0; i < runs.first.size(); ++i)
+  for (const int i : runs.by_engine)
     CUDA_CHECK(cudaMemcpyAsync(
         static_cast<uint8_t*>(args.recv_x) + static_cast<int64_t>(runs.first_row[i]) * args.row_bytes,
         static_cast<const uint8_t*>(args.x) + static_cast<int64_t>(runs.first[i]) * args.row_bytes,

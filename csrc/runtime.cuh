@@ -23,11 +23,12 @@ struct NotifyCounts {
 };
 
 // The runs of consecutive tokens a rank sends to itself in a dispatch (notify finds them): the copy
-// engine copies each run of rows into recv_x, and the direct dispatch's SMs write only the rows for peers.
+// engine copies the longest runs of rows into recv_x, and the direct dispatch's SMs write the other rows.
 struct OwnRuns {
   std::vector<int32_t> first;      // first token of each run
   std::vector<int32_t> end;        // one past its last token
   std::vector<int32_t> first_row;  // recv_x row of its first token
+  std::vector<int> by_engine;      // the runs the engine copied in the last dispatch with them
 };
 
 // A copy-engine combine (see IntranodeRuntime::staged_combine).
@@ -77,10 +78,10 @@ class IntranodeRuntime {
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
   // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
   // in its region (has_room false: the region was full) makes every rank fall back to the rings.
-  // The copy engine writes this rank's own rows where the kernel has at most kOwnRowsByEngineMaxBlocks
-  // blocks and its own tokens form at most kMaxOwnRuns runs of kMinOwnRunBytes or more on average: the runs
-  // of `own_runs` (a cached dispatch), or with `own_runs_tag` > 0 those of that notify (waited for only at
-  // those block counts). Returns the runs (null: none), for the handle.
+  // The copy engine writes this rank's own rows of its longest runs (as many as the host can ask for while the
+  // SMs write the peers' rows) where the kernel has at most kOwnRowsByEngineMaxBlocks blocks and its own
+  // tokens form at most kMaxOwnRuns runs: the runs of `own_runs` (a cached dispatch), or with `own_runs_tag` > 0 those of
+  // that notify (waited for only at those block counts). Returns the runs (null: none), for the handle.
   std::shared_ptr<OwnRuns> direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
                                            cudaStream_t stream, int own_runs_tag = 0,
                                            std::shared_ptr<OwnRuns> own_runs = nullptr);

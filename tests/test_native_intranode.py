@@ -55,7 +55,9 @@ CASES = NORMAL_MODE_CASES + (
        dict(name="unlanded_words", T=1200, H=4096, K=8, E=64, unlanded_words=True),
        dict(name="unlanded_words_bias", T=600, H=2048, K=8, E=64, bias=1, unlanded_words=True),
        # Each rank's tokens for itself in 250 runs: more than the copy engine takes (the SMs copy them).
-       dict(name="routing_alternate", T=500, H=4096, K=8, E=64, routing="alternate")]
+       dict(name="routing_alternate", T=500, H=4096, K=8, E=64, routing="alternate"),
+       # The benchmark's size in FP8: at 8 SMs and 2 ranks the engine copies the longest runs of own rows.
+       dict(name="fp8_large", T=4096, H=7168, K=8, E=256, fp8=True)]
 )
 
 
@@ -173,7 +175,7 @@ def test_cases_multi_rank_direct_outputs_chunks_of_3():
 # or more on average (`large`); in the other cases the SMs write them, as at 24 SMs.
 OWN_ROWS_BY_ENGINE_CASES = ("hidden7168", "fp8_hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
                             "routing_one_rank", "routing_unrouted", "empty_rank", "large", "num_worst",
-                            "routing_alternate")
+                            "routing_alternate", "fp8_large")
 
 
 def direct_cases_rank_8_sms(rank: int, R: int, group, names) -> list:
@@ -187,14 +189,23 @@ def test_cases_multi_rank_direct_outputs_own_rows_by_copy_engine():
     assert parallel_launch(RANKS, direct_cases_rank_8_sms, in_order) == [in_order] * RANKS
 
 
-def own_runs_rank(rank: int, R: int, group, routings) -> list:
-    """Per routing: the runs of tokens this rank sends to itself that notify found for the copy engine,
-    against those of is_token_in_rank (None: more than kMaxOwnRuns, the SMs copy them), and whether the
-    cached dispatch kept them. The outputs themselves are run_case's (the test above)."""
+def longest_runs(runs, engine_runs) -> bool:
+    """Whether the engine's runs are some of `runs`, in token order, none shorter than a run it left."""
+    if not set(engine_runs) <= set(runs) or engine_runs != sorted(engine_runs):
+        return False
+    left = [end - first for first, end, _ in set(runs) - set(engine_runs)]
+    return not left or not engine_runs or min(end - first for first, end, _ in engine_runs) >= max(left)
+
+
+def own_runs_rank(rank: int, R: int, group, cases) -> list:
+    """Per (routing, fp8) case: the runs of tokens this rank sends to itself that notify found for the copy
+    engine, against those of is_token_in_rank (None: more than kMaxOwnRuns, the SMs copy them); where
+    found, whether the engine took the longest of them (and how many), and whether the cached dispatch kept
+    them. The outputs themselves are run_case's (the case matrix at 8 SMs)."""
     native, _ = make_buffers(group, num_sms=8, dispatch_output_bytes=direct_output_bytes(R))
     results = []
-    for i, routing in enumerate(routings):
-        case = dict(T=4096, H=7168, K=8, E=256, routing=routing)
+    for i, (routing, fp8) in enumerate(cases):
+        case = dict(T=4096, H=7168, K=8, E=256, routing=routing, fp8=fp8)
         x, topk_idx, weights = make_inputs(rank, R, case, seed=3000 + i)
         num_per_rank, _, num_per_expert, in_rank, _ = native.get_dispatch_layout(topk_idx, case["E"])
         _, _, _, _, handle, _ = native.dispatch(x, num_tokens_per_rank=num_per_rank, is_token_in_rank=in_rank,
@@ -214,8 +225,11 @@ def own_runs_rank(rank: int, R: int, group, routings) -> list:
             row += end - first
         results.append(got == (want if len(want) <= 32 else None))
         if own_runs is not None:
-            cached, _ = native.dispatch(x, handle=handle)[:2]
-            results.append(unwrap(handle).own_runs is own_runs and cached.size(0) == unwrap(handle).num_recv_rows)
+            results.append(longest_runs(own_runs.runs, own_runs.engine_runs))
+            results.append(len(own_runs.engine_runs))
+            cached = native.dispatch(x, handle=handle)[0]
+            rows = (cached[0] if fp8 else cached).size(0)
+            results.append(unwrap(handle).own_runs is own_runs and rows == unwrap(handle).num_recv_rows)
     torch.cuda.synchronize()
     native.destroy()
     return results
@@ -223,11 +237,19 @@ def own_runs_rank(rank: int, R: int, group, routings) -> list:
 
 @needs_ranks(RANKS)
 def test_direct_dispatch_own_rows_by_copy_engine_where_few_runs():
-    """Random routing at 2 ranks: a few runs (the engine copies them, again in the cached dispatch); at more
-    ranks a token misses a rank often enough (p = 0.1 at 4) for more than kMaxOwnRuns runs (the SMs copy
-    them). Alternate routing: T / R runs (the SMs copy them)."""
-    random_runs_by_engine = [True, True] if RANKS == 2 else [True]
-    assert parallel_launch(RANKS, own_runs_rank, ("random", "alternate")) == [random_runs_by_engine + [True]] * RANKS
+    """Random routing at 2 ranks: a few runs; the engine copies the longest (again in the cached dispatch),
+    fewer of them with FP8 rows, on which the SMs spend half the time; at more ranks a token misses a rank
+    often enough (p = 0.1 at 4) for more than kMaxOwnRuns runs (the SMs copy them). Alternate routing:
+    T / R runs (the SMs copy them)."""
+    cases = (("random", False), ("random", True), ("alternate", False))
+    for results in parallel_launch(RANKS, own_runs_rank, cases):
+        if RANKS == 2:
+            found_bf16, longest_bf16, engine_bf16, kept_bf16, found_fp8, longest_fp8, engine_fp8, kept_fp8, \
+                found_alternate = results
+            assert [found_bf16, longest_bf16, kept_bf16, found_fp8, longest_fp8, kept_fp8, found_alternate] == [True] * 7
+            assert 0 < engine_fp8 < engine_bf16, (engine_fp8, engine_bf16)
+        else:
+            assert results == [True, True, True]
 
 
 @needs_ranks(RANKS)

@@ -69,7 +69,9 @@ struct DispatchArgs {
   int direct_max_blocks;            // direct dispatch: at most this many blocks (0: num_channels * 2)
   int direct_chunk_tokens;          // direct dispatch: tokens per chunk warps claim (>= 1)
   bool direct_has_room;             // direct dispatch: this rank's outputs are in its output region
-  bool own_rows_by_engine;          // direct dispatch: the copy engine writes this rank's own rows of recv_x
+  int num_engine_runs;              // direct dispatch: runs of tokens whose own rows of recv_x the copy engine
+  int32_t engine_run_first[kMaxOwnRuns];  // writes: tokens [first, end) of run i, in token order (the SMs
+  int32_t engine_run_end[kMaxOwnRuns];    // write the other rows)
   bool only_after_fallback;         // ring dispatch: run only if the direct dispatch before it fell back
   DeviceStatus* status;
   uint64_t timeout_ns;

@@ -175,6 +175,20 @@ struct TokenMetadata {
   }
 };
 
+// Whether the copy engine writes a token's own row: the token lies in one of its runs. A warp's tokens
+// increase (ClaimedTokens), so its cursor over the runs (in token order) only moves forward.
+// NOTE: a token missed here would only have its row written twice, with the same bytes.
+class EngineRuns {
+ public:
+  __device__ bool cover(const DispatchArgs& a, int t) {
+    while (next_ < a.num_engine_runs && a.engine_run_end[next_] <= t) ++next_;
+    return next_ < a.num_engine_runs && t >= a.engine_run_first[next_];
+  }
+
+ private:
+  int next_ = 0;
+};
+
 // A sender warp writes each token's rows and metadata.
 template <bool kBulk>
 __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs)[kMaxNvlPeers], Header* me,
@@ -189,6 +203,7 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
   // NOTE: the next row's positions load during this row when it is in the same chunk.
   auto load_pos = [&](int t) { return lane < R && t >= 0 ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
   int prefetched_token = -1, prefetched_pos = -1;
+  EngineRuns engine_runs;
   for (int k = 0; tokens.begin_row(k); ++k) {
     const int t = tokens.token(k);
     const int pos = t == prefetched_token ? prefetched_pos : load_pos(t);
@@ -206,7 +221,7 @@ __device__ void direct_sender(const DispatchArgs& a, const PeerOutputs (&outputs
     int row_of[kMaxNvlPeers];
     uint8_t* dst[kMaxNvlPeers];
     // Ranks whose row this warp writes: the own row may be the copy engine's.
-    const uint32_t row_mask = a.own_rows_by_engine ? dst_mask & ~(1u << a.rank) : dst_mask;
+    const uint32_t row_mask = engine_runs.cover(a, t) ? dst_mask & ~(1u << a.rank) : dst_mask;
 #pragma unroll
     for (int r = 0; r < kMaxNvlPeers; ++r) {
       row_of[r] = shfl(pos, r);
