@@ -78,10 +78,11 @@ class IntranodeRuntime {
   // The direct dispatch: every rank's outputs (num_recv_rows rows) in its output region, written by
   // the senders themselves. Every rank of the call must take this path. A rank whose outputs are not
   // in its region (has_room false: the region was full) makes every rank fall back to the rings.
-  // The copy engine writes this rank's own rows of its longest runs (as many as the host can ask for while the
-  // SMs write the peers' rows) where the kernel has at most kOwnRowsByEngineMaxBlocks blocks and its own
-  // tokens form at most kMaxOwnRuns runs: the runs of `own_runs` (a cached dispatch), or with `own_runs_tag` > 0 those of
-  // that notify (waited for only at those block counts). Returns the runs (null: none), for the handle.
+  // The copy engine writes this rank's own rows of its longest runs (as many as the host can ask for while
+  // the SMs write the peers' rows) where the kernel has at most kOwnRowsByEngineMaxBlocks blocks and its own
+  // tokens form at most kMaxOwnRuns runs: the runs of `own_runs` (a cached dispatch), or with `own_runs_tag`
+  // > 0 those of that notify (waited for only at those block counts). Returns the runs (null: none), for the
+  // handle.
   std::shared_ptr<OwnRuns> direct_dispatch(intranode::DispatchArgs args, int64_t num_recv_rows, bool has_room,
                                            cudaStream_t stream, int own_runs_tag = 0,
                                            std::shared_ptr<OwnRuns> own_runs = nullptr);

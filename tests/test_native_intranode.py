@@ -171,8 +171,9 @@ def test_cases_multi_rank_direct_outputs_chunks_of_3():
     assert parallel_launch(RANKS, direct_chunk_cases_rank, in_order, 3) == [in_order] * RANKS
 
 
-# At 8 SMs (8 blocks) the copy engine writes each rank's rows for itself where they form few runs of 2.5 MiB
-# or more on average (`large`); in the other cases the SMs write them, as at 24 SMs.
+# At 8 SMs (8 blocks) the copy engine writes the longest runs of each rank's rows for itself where they form
+# few runs, and the SMs the others (`large`, `fp8_large`); at T / R runs (`routing_alternate`) the SMs write them
+# all, as at 24 SMs.
 OWN_ROWS_BY_ENGINE_CASES = ("hidden7168", "fp8_hidden7168", "fp8_hidden1536", "topk9", "routing_minus_one",
                             "routing_one_rank", "routing_unrouted", "empty_rank", "large", "num_worst",
                             "routing_alternate", "fp8_large")
@@ -246,7 +247,8 @@ def test_direct_dispatch_own_rows_by_copy_engine_where_few_runs():
         if RANKS == 2:
             found_bf16, longest_bf16, engine_bf16, kept_bf16, found_fp8, longest_fp8, engine_fp8, kept_fp8, \
                 found_alternate = results
-            assert [found_bf16, longest_bf16, kept_bf16, found_fp8, longest_fp8, kept_fp8, found_alternate] == [True] * 7
+            checks = [found_bf16, longest_bf16, kept_bf16, found_fp8, longest_fp8, kept_fp8, found_alternate]
+            assert checks == [True] * 7
             assert 0 < engine_fp8 < engine_bf16, (engine_fp8, engine_bf16)
         else:
             assert results == [True, True, True]
