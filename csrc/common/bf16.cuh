@@ -25,4 +25,17 @@ __device__ __forceinline__ int4 to_bf16x8(const float* acc) {
   return packed;
 }
 
+// The sum of two packed rows, each pair of values rounded once to nearest-even bf16 (HADD2.BF16). Equal to
+// their fp32 sum rounded to bf16: the exact sum of two bf16 values needs more than fp32's 24 bits only where
+// one is under 2^-15 of the other, far below half a bf16 unit of the larger, so both round to the larger.
+__device__ __forceinline__ int4 sum_bf16x8(const int4& a, const int4& b) {
+  int4 sum;
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&sum);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __hadd2(x[i], y[i]);
+  return sum;
+}
+
 }  // namespace ep_plugin

@@ -79,67 +79,101 @@ __device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Lan
 // The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
 // either may be absent. With no fp32 accumulator array to keep, a lane holds kPairUnroll units of
 // both copies in flight, twice sum_token_copies' bytes; two copies sum to the same value in either
-// order.
+// order. Summed in bf16x2, a unit takes about 14 instructions against 90 in fp32 (docs/design.md).
 // NOTE: a kernel takes either this or sum_token_copies, never both: the two inlined side by side
 // made the kernel spill registers.
 constexpr int kPairUnroll = 8;
 
-// Lane's units base + u * 32 + lane of a staged row, read into `units`; read again, all at once, until
-// none is unlanded or the row is reported landed (if the wait expires: sets `expired`).
-// NOTE: the re-reads go out together: waited for one by one, a lane that met a row as it landed paid a
-// round trip per unit (EP2 at 8 SMs: 305.5 against 317.4 us).
-__device__ __forceinline__ void read_units(int4 (&units)[kPairUnroll], const int4* staged, int base, int num_units) {
+// A lane's units of a row: base + u * 32 + lane for u < kPairUnroll. kWhole: all of them are in the row
+// (every chunk but a row's last), so no unit needs a bounds check.
+template <bool kWhole>
+__device__ __forceinline__ bool in_row(int base, int u, int num_units) {
+  return kWhole || base + u * 32 + lane_id() < num_units;
+}
+
+template <bool kWhole>
+__device__ __forceinline__ void read_units(int4 (&units)[kPairUnroll], const int4* row, int base, int num_units,
+                                           bool staged) {
   const int lane = lane_id();
 #pragma unroll
   for (int u = 0; u < kPairUnroll; ++u)
-    if (base + u * 32 + lane < num_units) units[u] = load_staged(staged + base + u * 32 + lane);
+    if (in_row<kWhole>(base, u, num_units))
+      units[u] = staged ? load_staged(row + base + u * 32 + lane) : ld_nc_v4(row + base + u * 32 + lane);
 }
 
+template <bool kWhole>
 __device__ __forceinline__ bool has_unlanded_unit(const int4 (&units)[kPairUnroll], int base, int num_units) {
-  const int lane = lane_id();
   bool unlanded = false;
 #pragma unroll
   for (int u = 0; u < kPairUnroll; ++u)
-    if (base + u * 32 + lane < num_units) unlanded |= has_unlanded_word(units[u]);
+    if (in_row<kWhole>(base, u, num_units)) unlanded = unlanded || has_unlanded_word(units[u]);
   return unlanded;
 }
 
+// Reads the lane's units of a staged row; reads them again, all at once, until none is unlanded or the
+// row is reported landed (if the wait expires: sets `expired`).
+// NOTE: the re-reads go out together: waited for one by one, a lane that met a row as it landed paid a
+// round trip per unit (EP2 at 8 SMs: 305.5 against 317.4 us).
+template <bool kWhole>
 __device__ __forceinline__ void read_landed_units(int4 (&units)[kPairUnroll], const int4* staged, int base,
                                                   int num_units, Landing landing, const WaitSite& site,
                                                   bool& expired) {
-  read_units(units, staged, base, num_units);
-  if (landing.known() || !has_unlanded_unit(units, base, num_units)) return;
+  read_units<kWhole>(units, staged, base, num_units, true);
+  if (landing.known() || !has_unlanded_unit<kWhole>(units, base, num_units)) return;
   Deadline deadline(site);
   while (!deadline.expired(kWaitStagedRows, landing.source, landing.count, 0)) {
     // NOTE: the acquire comes before the re-reads, so reads after the report see the landed bytes.
     const bool reported = landing.reported();
-    read_units(units, staged, base, num_units);
-    if (reported || !has_unlanded_unit(units, base, num_units)) return;
+    read_units<kWhole>(units, staged, base, num_units, true);
+    if (reported || !has_unlanded_unit<kWhole>(units, base, num_units)) return;
   }
   expired = true;
 }
 
+// Which copies a token of a 2-rank combine has (none: a token sent to no rank sums to zeros).
+enum class PairCopies { kNone, kOwn, kStaged, kBoth };
+
+// One chunk of a token's row: a single copy is stored as read, two are summed in bf16x2 (sum_bf16x8).
+template <PairCopies kCopies, bool kWhole>
+__device__ __forceinline__ void sum_pair_chunk(const int4* own, const int4* staged, Landing landing, int base,
+                                               int num_units, int4* out, const WaitSite& site, bool& expired) {
+  const int lane = lane_id();
+  int4 a[kPairUnroll], b[kPairUnroll];
+  if constexpr (kCopies == PairCopies::kOwn || kCopies == PairCopies::kBoth)
+    read_units<kWhole>(a, own, base, num_units, false);
+  if constexpr (kCopies == PairCopies::kStaged || kCopies == PairCopies::kBoth)
+    read_landed_units<kWhole>(b, staged, base, num_units, landing, site, expired);
+#pragma unroll
+  for (int u = 0; u < kPairUnroll; ++u) {
+    if (!in_row<kWhole>(base, u, num_units)) continue;
+    int4* to = out + base + u * 32 + lane;
+    if constexpr (kCopies == PairCopies::kNone) st_na_v4(to, make_int4(0, 0, 0, 0));
+    if constexpr (kCopies == PairCopies::kOwn) st_na_v4(to, a[u]);
+    if constexpr (kCopies == PairCopies::kStaged) st_na_v4(to, b[u]);
+    if constexpr (kCopies == PairCopies::kBoth) st_na_v4(to, sum_bf16x8(a[u], b[u]));
+  }
+}
+
+template <PairCopies kCopies>
+__device__ __forceinline__ void sum_pair_row(const int4* own, const int4* staged, Landing landing, int num_units,
+                                             int4* out, const WaitSite& site, bool& expired) {
+  int base = 0;
+  for (; base + 32 * kPairUnroll <= num_units; base += 32 * kPairUnroll)
+    sum_pair_chunk<kCopies, true>(own, staged, landing, base, num_units, out, site, expired);
+  if (base < num_units) sum_pair_chunk<kCopies, false>(own, staged, landing, base, num_units, out, site, expired);
+}
+
+// A token's own copy (user memory) and its staged copy, either may be absent.
 __device__ __forceinline__ void sum_own_and_staged(const int4* own, const int4* staged, Landing landing, int num_units,
                                                    int4* out, const WaitSite& site, bool& expired) {
-  const int lane = lane_id();
-  for (int base = 0; base < num_units; base += 32 * kPairUnroll) {
-    int4 a[kPairUnroll], b[kPairUnroll];
-#pragma unroll
-    for (int u = 0; u < kPairUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < num_units && own != nullptr) a[u] = ld_nc_v4(own + i);
-    }
-    if (staged != nullptr) read_landed_units(b, staged, base, num_units, landing, site, expired);
-#pragma unroll
-    for (int u = 0; u < kPairUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i >= num_units) continue;
-      float acc[8] = {};
-      if (own != nullptr) add_bf16x8(acc, a[u]);
-      if (staged != nullptr) add_bf16x8(acc, b[u]);
-      st_na_v4(out + i, to_bf16x8(acc));
-    }
-  }
+  if (own == nullptr && staged == nullptr)
+    sum_pair_row<PairCopies::kNone>(own, staged, landing, num_units, out, site, expired);
+  else if (staged == nullptr)
+    sum_pair_row<PairCopies::kOwn>(own, staged, landing, num_units, out, site, expired);
+  else if (own == nullptr)
+    sum_pair_row<PairCopies::kStaged>(own, staged, landing, num_units, out, site, expired);
+  else
+    sum_pair_row<PairCopies::kBoth>(own, staged, landing, num_units, out, site, expired);
 }
 
 // What lane s (a source rank) knows about source s's rows in this combine.
