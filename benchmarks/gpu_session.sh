@@ -126,7 +126,11 @@ for s in $STAGES; do
       if stage share nvidia-cuda-mps-control -d && stage share python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" \
           && echo get_server_list | nvidia-cuda-mps-control | grep -q '[0-9]'; then
         export EP_PLUGIN_RANKS_PER_GPU=$per_gpu CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / per_gpu))
-        echo "share: CUDA MPS runs; $per_gpu ranks per GPU, $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE% of each GPU per rank" >> "$summary"
+        # A test case asks for at most the SMs of a rank's share (a ring kernel's blocks must all be resident).
+        EP_TEST_MAX_SMS=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)")
+        export EP_TEST_MAX_SMS
+        echo "share: CUDA MPS runs; $per_gpu ranks per GPU, $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE% of each GPU" \
+             "($EP_TEST_MAX_SMS SMs) per rank" >> "$summary"
       else
         echo "share: CUDA MPS did not start (see share.log and $CUDA_MPS_LOG_DIRECTORY); ranks keep their own GPUs" >> "$summary"
         cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >> "$OUT/share.log" 2>/dev/null
@@ -135,7 +139,8 @@ for s in $STAGES; do
     unshare)
       CUDA_MPS_PIPE_DIRECTORY=/tmp/ep_mps_pipe nvidia-cuda-mps-control <<< quit >> "$OUT/share.log" 2>&1
       sleep 2
-      unset EP_PLUGIN_RANKS_PER_GPU CUDA_MPS_ACTIVE_THREAD_PERCENTAGE CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      unset EP_PLUGIN_RANKS_PER_GPU CUDA_MPS_ACTIVE_THREAD_PERCENTAGE CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY \
+        EP_TEST_MAX_SMS
       echo "unshare: MPS stopped; ranks keep their own GPUs" >> "$summary"
       ;;
     tests)
