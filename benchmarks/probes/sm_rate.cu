@@ -10,8 +10,9 @@
 // into the peer's output in runs of tokens (engine_direct_row), and that path for the longest runs of
 // a random 2-rank routing beside SMs copying the other rows (engine_hybrid_row; `hybrid`: these rows
 // only); ", batch": the engine's copies in one cudaMemcpyBatchAsync call. `sum` times a 2-rank
-// combine's sum (alone, and beside both GPUs' engines copying); `landing` prints when each row of one
-// engine copy lands in the peer, watched by one thread per row spinning or pausing 1 us between reads.
+// combine's sum (in fp32 or bf16 pairs, with L2 as the last round left it or flushed; alone, and beside
+// both GPUs' engines copying); `landing` prints when each row of one engine copy lands in the peer,
+// watched by one thread per row spinning or pausing 1 us between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -114,9 +115,10 @@ __global__ void __launch_bounds__(1024, 1) bulk_rows(uint8_t* dst0, uint8_t* dst
   bulk_wait_all();
 }
 
-// A 2-rank combine's sum: out = a + b row by row (bf16, summed in fp32), a lane holding kUnroll units
-// of both rows in flight; b is local or the peer's rows read across NVLink.
-template <int kUnroll, int kMaxThreads>
+// A 2-rank combine's sum: out = a + b row by row (bf16, summed in fp32 or, kBf16x2, in bf16 pairs as the
+// copy-engine combine does), a lane holding kUnroll units of both rows in flight; b is local or the
+// peer's rows read across NVLink.
+template <int kUnroll, int kMaxThreads, bool kBf16x2 = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const int4* a, const int4* b) {
   constexpr int kUnits = kRowBytes / 16;
   const int lane = threadIdx.x & 31;
@@ -136,6 +138,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const i
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (i >= kUnits) continue;
+        if constexpr (kBf16x2) {
+          st_na_v4(out + first + i, sum_bf16x8(x[u], y[u]));
+          continue;
+        }
         float acc[8] = {};
         add_bf16x8(acc, x[u]);
         add_bf16x8(acc, y[u]);
@@ -173,6 +179,7 @@ __global__ void __launch_bounds__(512, 1) listed_rows(int4* dst_remote, int4* ow
 struct Gpu {
   int id;
   uint8_t *src, *own, *inbox, *out, *spare;
+  uint8_t* flush;  // written before a round that must find nothing of its inputs in L2
   int4* sink;
   uint64_t* landed;  // pieces of the peer's rows landed in `inbox` (engine_staged_row)
   // engine_direct_row: the peer's stream has reached the round (this GPU's copies may write its `out`);
@@ -184,10 +191,14 @@ struct Gpu {
 };
 Gpu gpus[2];
 
-// Median seconds of a round in which both GPUs run `launch(g)` at once (the slower GPU's time).
+constexpr size_t kFlushBytes = 256u << 20;  // several times L2
+
+// Median seconds of a round in which both GPUs run `launch(g)` at once (the slower GPU's time);
+// `flush_l2`: L2 is overwritten before each round (as `ep-plugin bench` does before each call).
 template <typename Launch>
-double seconds(Launch launch) {
-  auto begin_round = [](Gpu& g) {
+double seconds(Launch launch, bool flush_l2 = false) {
+  auto begin_round = [flush_l2](Gpu& g) {
+    if (flush_l2) CHECK(cudaMemsetAsync(g.flush, 0, kFlushBytes, g.stream));
     spin<<<1, 1, 0, g.stream>>>(4'000'000);
     CHECK(cudaEventRecord(g.start, g.stream));
   };
@@ -488,19 +499,21 @@ void hybrid_rows() {
   for (int engine_runs : {8, 1000}) engine_hybrid_row(engine_runs, true);
 }
 
-// The sum's rate: GB/s of output rows (each reads two rows and writes one).
-template <int kUnroll, int kThreads>
-void reduce_table() {
+// The sum's rate: GB/s of output rows (each reads two rows and writes one); `flush_l2`: with L2 overwritten
+// before each round, so that both rows come from HBM.
+template <int kUnroll, int kThreads, bool kBf16x2 = false>
+void reduce_table(bool flush_l2 = false) {
   char mover[64];
-  std::snprintf(mover, sizeof(mover), "sum registers %4d x %2d", kThreads, kUnroll);
+  std::snprintf(mover, sizeof(mover), "sum%s registers %4d x %2d%s", kBf16x2 ? " bf16x2" : "", kThreads, kUnroll,
+                flush_l2 ? ", L2 flushed" : "");
   for (bool remote : {false, true}) {
-    std::printf("%-28s %-18s", mover, remote ? "own + peer's row" : "two local rows");
+    std::printf("%-40s %-18s", mover, remote ? "own + peer's row" : "two local rows");
     for (int sms : {1, 2, 4, 8, 16}) {
       const double round = seconds([&](Gpu& g) {
         const uint8_t* b = remote ? gpus[1 - g.id].src : g.inbox;
-        reduce_rows<kUnroll, kThreads><<<sms, kThreads, 0, g.stream>>>(
+        reduce_rows<kUnroll, kThreads, kBf16x2><<<sms, kThreads, 0, g.stream>>>(
             reinterpret_cast<int4*>(g.out), reinterpret_cast<const int4*>(g.src), reinterpret_cast<const int4*>(b));
-      });
+      }, flush_l2);
       std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
     }
     std::printf("\n");
@@ -614,6 +627,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&g.inbox, bytes));
     CHECK(cudaMalloc(&g.out, bytes));
     CHECK(cudaMalloc(&g.spare, bytes));
+    CHECK(cudaMalloc(&g.flush, kFlushBytes));
     CHECK(cudaMalloc(&g.landed, sizeof(uint64_t)));
     CHECK(cudaMemset(g.landed, 0, sizeof(uint64_t)));
     CHECK(cudaMalloc(&g.go, 2 * sizeof(uint64_t)));
@@ -648,6 +662,9 @@ int main(int argc, char** argv) {
     reduce_table<8, 512>();
     reduce_table<4, 1024>();
     reduce_table<8, 1024>();
+    reduce_table<8, 512>(true);
+    reduce_table<8, 512, true>();
+    reduce_table<8, 512, true>(true);
     reduce_beside_engine_table<8, 512>();
     reduce_beside_engine_table<8, 1024>();
     if (only == "sum") return 0;
