@@ -10,9 +10,10 @@
 // into the peer's output in runs of tokens (engine_direct_row), and that path for the longest runs of
 // a random 2-rank routing beside SMs copying the other rows (engine_hybrid_row; `hybrid`: these rows
 // only); ", batch": the engine's copies in one cudaMemcpyBatchAsync call. `sum` times a 2-rank
-// combine's sum (in fp32 or bf16 pairs, with L2 as the last round left it or flushed; alone, and beside
-// both GPUs' engines copying); `landing` prints when each row of one engine copy lands in the peer,
-// watched by one thread per row spinning or pausing 1 us between reads.
+// combine's sum (in fp32 or bf16 pairs, with L2 as the last round left it or flushed; with the combine's
+// per-token steps added one by one; alone, and beside both GPUs' engines copying); `landing` prints when
+// each row of one engine copy lands in the peer, watched by one thread per row spinning or pausing 1 us
+// between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -147,6 +148,84 @@ __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const i
         add_bf16x8(acc, y[u]);
         st_na_v4(out + first + i, to_bf16x8(acc));
       }
+    }
+  }
+}
+
+// The copy-engine combine's per-token path added to the bf16x2 sum step by step (kSteps of them, each
+// with all before it): 1, rows addressed through per-token positions loaded a token ahead; 2, the staged
+// row read through L2 only and checked for unlanded (0xffffffff) words; 3, the top-k weights of both
+// copies loaded before the rows and summed after them; 4, an L2 prefetch of both rows at the token's start.
+constexpr int kStepTopk = 8;
+
+struct StepInputs {
+  const int* own_pos;      // token t's own row in `a`
+  const int* staged_pos;   // its staged row in `b`
+  const float* own_weights;
+  const float* staged_weights;
+  float* out_weights;
+};
+
+template <int kSteps>
+__global__ void __launch_bounds__(512, 1) reduce_steps(int4* out, const int4* a, const int4* b, StepInputs in) {
+  constexpr int kUnits = kRowBytes / 16;
+  constexpr int kUnroll = 8;
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  const int first_token = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int own_ahead = 0, staged_ahead = 0;
+  if constexpr (kSteps >= 1) {
+    if (first_token < kRows) own_ahead = in.own_pos[first_token], staged_ahead = in.staged_pos[first_token];
+  }
+  for (int t = first_token; t < kRows; t += warps) {
+    int own_row = t, staged_row = t;
+    if constexpr (kSteps >= 1) {
+      own_row = own_ahead, staged_row = staged_ahead;
+      if (t + warps < kRows) own_ahead = in.own_pos[t + warps], staged_ahead = in.staged_pos[t + warps];
+    }
+    const int4* x = a + static_cast<size_t>(own_row) * kUnits;
+    const int4* y = b + static_cast<size_t>(staged_row) * kUnits;
+    if constexpr (kSteps >= 4) {
+      if (lane < 2) prefetch_to_l2(lane == 0 ? static_cast<const void*>(x) : static_cast<const void*>(y), kRowBytes);
+    }
+    float own_weight = 0.f, staged_weight = 0.f;
+    if constexpr (kSteps >= 3) {
+      if (lane < kStepTopk) {
+        own_weight = in.own_weights[static_cast<size_t>(own_row) * kStepTopk + lane];
+        staged_weight = ld_cg_f32(in.staged_weights + static_cast<size_t>(staged_row) * kStepTopk + lane);
+      }
+    }
+    int4* to = out + static_cast<size_t>(t) * kUnits;
+    for (int base = 0; base < kUnits; base += 32 * kUnroll) {
+      int4 u0[kUnroll], u1[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < kUnits) u0[u] = ld_nc_v4(x + i);
+      }
+      bool unlanded = false;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kUnits) continue;
+        if constexpr (kSteps >= 2) {
+          u1[u] = ld_cg_v4(y + i);
+          unlanded = unlanded || u1[u].x == -1 || u1[u].y == -1 || u1[u].z == -1 || u1[u].w == -1;
+        } else {
+          u1[u] = ld_nc_v4(y + i);
+        }
+      }
+      if constexpr (kSteps >= 2) {
+        if (__any_sync(0xffffffffu, unlanded)) __trap();  // nothing here is unlanded
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < kUnits) st_na_v4(to + i, sum_bf16x8(u0[u], u1[u]));
+      }
+    }
+    if constexpr (kSteps >= 3) {
+      if (lane < kStepTopk) in.out_weights[static_cast<size_t>(t) * kStepTopk + lane] = own_weight + staged_weight;
     }
   }
 }
@@ -521,6 +600,45 @@ void reduce_table(bool flush_l2 = false) {
   }
 }
 
+// The combine's per-token path, step by step (reduce_steps), two local rows, L2 flushed before each round.
+template <int kSteps>
+void reduce_steps_row(const StepInputs (&inputs)[2]) {
+  static const char* const kNames[] = {"bf16x2 sum", "+ positions", "+ landed check", "+ weights", "+ L2 prefetch"};
+  std::printf("%-28s %-18s", "sum steps 512 x 8", kNames[kSteps]);
+  for (int sms : {8, 16, 24}) {
+    const double round = seconds([&](Gpu& g) {
+      reduce_steps<kSteps><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.out),
+                                                      reinterpret_cast<const int4*>(g.src),
+                                                      reinterpret_cast<const int4*>(g.inbox), inputs[g.id]);
+    }, true);
+    std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+void reduce_steps_table() {
+  StepInputs inputs[2];
+  std::vector<int> identity(kRows);
+  for (int t = 0; t < kRows; ++t) identity[t] = t;
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    int* pos;
+    float* weights;
+    CHECK(cudaMalloc(&pos, kRows * sizeof(int)));
+    CHECK(cudaMemcpy(pos, identity.data(), kRows * sizeof(int), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&weights, 3 * kRows * kStepTopk * sizeof(float)));
+    CHECK(cudaMemset(weights, 0, 3 * kRows * kStepTopk * sizeof(float)));
+    CHECK(cudaMemset(g.inbox, 0, static_cast<size_t>(kRows) * kRowBytes));  // no unlanded word
+    inputs[g.id] = StepInputs{pos, pos, weights, weights + kRows * kStepTopk, weights + 2 * kRows * kStepTopk};
+  }
+  reduce_steps_row<0>(inputs);
+  reduce_steps_row<1>(inputs);
+  reduce_steps_row<2>(inputs);
+  reduce_steps_row<3>(inputs);
+  reduce_steps_row<4>(inputs);
+}
+
 // The sum while this GPU's engine pushes its rows into the peer and the peer's engine pushes its rows
 // into this GPU (a 2-rank copy-engine combine's traffic): the sum reads the landing rows (`inbox`,
 // unsynchronized: a timing only) or rows no engine writes (`spare`).
@@ -665,6 +783,7 @@ int main(int argc, char** argv) {
     reduce_table<8, 512>(true);
     reduce_table<8, 512, true>();
     reduce_table<8, 512, true>(true);
+    reduce_steps_table();
     reduce_beside_engine_table<8, 512>();
     reduce_beside_engine_table<8, 1024>();
     if (only == "sum") return 0;
