@@ -29,6 +29,8 @@
 #   megatron   the Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel:
 #              python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #                --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2)
+#   sum        the 2-rank combine's sum alone by SM count (benchmarks/probes/sm_rate.cu `sum`; two GPUs): fp32 and
+#              bf16 pairs, L2 as left or flushed, the combine's per-token steps one by one; its rows into the summary
 #   host       the host's time per call of layout / dispatch / cached dispatch / combine, then eager low-latency
 #              pairs and layouts beside DeepEP V1 (benchmarks/profile_host.py, --eager)
 #
@@ -236,6 +238,12 @@ for s in $STAGES; do
       done
       # Eager calls as a DeepEP program makes them, DeepEP V1 beside (after the deepep stage).
       stage host timeout 180 python3 benchmarks/profile_host.py --eager --iters 200 --top 30
+      ;;
+    sum)
+      # The 2-rank combine's sum alone (benchmarks/probes/sm_rate.cu; two GPUs): its floor by SM count.
+      stage sum nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -I /usr/local/cuda/include/cccl -o /tmp/sm_rate \
+        benchmarks/probes/sm_rate.cu \
+        && stage sum timeout 300 /tmp/sm_rate sum && grep -E "^sum" "$OUT/sum.log" >> "$summary"
       ;;
     *)
       echo "$s: unknown stage" >> "$summary"
