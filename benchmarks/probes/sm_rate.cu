@@ -604,7 +604,7 @@ void reduce_table(bool flush_l2 = false) {
 template <int kSteps>
 void reduce_steps_row(const StepInputs (&inputs)[2]) {
   static const char* const kNames[] = {"bf16x2 sum", "+ positions", "+ landed check", "+ weights", "+ L2 prefetch"};
-  std::printf("%-28s %-18s", "sum steps 512 x 8", kNames[kSteps]);
+  std::printf("%-40s %-18s", "sum steps 512 x 8, L2 flushed", kNames[kSteps]);
   for (int sms : {8, 16, 24}) {
     const double round = seconds([&](Gpu& g) {
       reduce_steps<kSteps><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.out),
@@ -637,6 +637,11 @@ void reduce_steps_table() {
   reduce_steps_row<2>(inputs);
   reduce_steps_row<3>(inputs);
   reduce_steps_row<4>(inputs);
+  for (Gpu& g : gpus) {
+    CHECK(cudaSetDevice(g.id));
+    CHECK(cudaFree(const_cast<int*>(inputs[g.id].own_pos)));
+    CHECK(cudaFree(const_cast<float*>(inputs[g.id].own_weights)));
+  }
 }
 
 // The sum while this GPU's engine pushes its rows into the peer and the peer's engine pushes its rows
