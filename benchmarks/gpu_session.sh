@@ -29,8 +29,10 @@
 #   megatron   the Megatron GPU tests and the layer benchmark (carry .whl with the megatron-core cp312 wheel:
 #              python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #                --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2)
-#   sum        the 2-rank combine's sum alone by SM count (benchmarks/probes/sm_rate.cu `sum`; two GPUs): fp32 and
-#              bf16 pairs, L2 as left or flushed, the combine's per-token steps one by one; its rows into the summary
+#   sum        the 2-rank combine's sum alone by SM count (benchmarks/probes/sm_rate.cu `sum`): fp32 and bf16 pairs,
+#              L2 as left or flushed, the combine's per-token steps one by one (on one GPU: the local rows only);
+#              then the library's reduction kernel alone (benchmarks/probes/staged_reduce.cu, one GPU, checked);
+#              their rows into the summary
 #   host       the host's time per call of layout / dispatch / cached dispatch / combine, then eager low-latency
 #              pairs and layouts beside DeepEP V1 (benchmarks/profile_host.py, --eager)
 #
@@ -240,10 +242,14 @@ for s in $STAGES; do
       stage host timeout 180 python3 benchmarks/profile_host.py --eager --iters 200 --top 30
       ;;
     sum)
-      # The 2-rank combine's sum alone (benchmarks/probes/sm_rate.cu; two GPUs): its floor by SM count.
-      stage sum nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -I /usr/local/cuda/include/cccl -o /tmp/sm_rate \
-        benchmarks/probes/sm_rate.cu \
-        && stage sum timeout 300 /tmp/sm_rate sum && grep -E "^sum" "$OUT/sum.log" >> "$summary"
+      # The 2-rank combine's sum alone (its floor by SM count), then the reduction kernel alone.
+      for probe in sm_rate staged_reduce; do
+        stage sum nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -I /usr/local/cuda/include/cccl -o "/tmp/$probe" \
+          "benchmarks/probes/$probe.cu"
+      done
+      stage sum timeout 300 /tmp/sm_rate sum
+      stage sum timeout 120 /tmp/staged_reduce
+      grep -E "^(sum|staged_reduce)" "$OUT/sum.log" >> "$summary"
       ;;
     *)
       echo "$s: unknown stage" >> "$summary"

@@ -1,6 +1,7 @@
 // Bytes an SM moves per second, by how it moves them: 16-byte register loads/stores by threads and
 // depth, and bulk (TMA) copies through shared memory by pipeline shape; locally, into the peer, and
-// into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once.
+// into the peer plus a local copy (a dispatch's rows at 2 ranks). Both GPUs run each case at once;
+// on a machine of one GPU only `sum` runs, its tables of local rows.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -o /tmp/sm_rate benchmarks/probes/sm_rate.cu && /tmp/sm_rate [engine|hybrid|sum|landing]
 //
@@ -268,7 +269,7 @@ struct Gpu {
   cudaStream_t stream, copy, local;  // the SMs' work; the copy engine's into the peer; its local copies
   cudaEvent_t start, end, copied, placed;
 };
-Gpu gpus[2];
+std::vector<Gpu> gpus;  // two; one where only `sum`'s tables of local rows run (a machine of one GPU)
 
 constexpr size_t kFlushBytes = 256u << 20;  // several times L2
 
@@ -586,6 +587,7 @@ void reduce_table(bool flush_l2 = false) {
   std::snprintf(mover, sizeof(mover), "sum%s registers %4d x %2d%s", kBf16x2 ? " bf16x2" : "", kThreads, kUnroll,
                 flush_l2 ? ", L2 flushed" : "");
   for (bool remote : {false, true}) {
+    if (remote && gpus.size() < 2) continue;
     std::printf("%-40s %-18s", mover, remote ? "own + peer's row" : "two local rows");
     for (int sms : {1, 2, 4, 8, 16}) {
       const double round = seconds([&](Gpu& g) {
@@ -739,12 +741,21 @@ void landing_order(int pause_ns) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string only = argc < 2 ? "" : argv[1];
+  int devices = 0;
+  CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 2 && only != "sum") {
+    std::fprintf(stderr, "sm_rate %s needs two GPUs (found %d); `sm_rate sum` runs its local tables on one\n",
+                 only.c_str(), devices);
+    return 2;
+  }
+  gpus.resize(std::min(devices, 2));
   const size_t bytes = static_cast<size_t>(kRows) * kRowBytes;
-  for (int id = 0; id < 2; ++id) {
+  for (int id = 0; id < static_cast<int>(gpus.size()); ++id) {
     Gpu& g = gpus[id];
     g.id = id;
     CHECK(cudaSetDevice(id));
-    CHECK(cudaDeviceEnablePeerAccess(1 - id, 0));
+    if (gpus.size() == 2) CHECK(cudaDeviceEnablePeerAccess(1 - id, 0));
     CHECK(cudaMalloc(&g.src, bytes));
     CHECK(cudaMalloc(&g.own, bytes));
     CHECK(cudaMalloc(&g.inbox, bytes));
@@ -768,8 +779,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s x2, %d rows of %d B per GPU, both GPUs at once; GB/s per GPU (per SM)\n", prop.name, kRows, kRowBytes);
-  const std::string only = argc < 2 ? "" : argv[1];
+  std::printf("%s x%zu, %d rows of %d B per GPU, every GPU at once; GB/s per GPU (per SM)\n", prop.name, gpus.size(),
+              kRows, kRowBytes);
   if (only == "hybrid") {
     hybrid_rows();
     return 0;
@@ -789,6 +800,7 @@ int main(int argc, char** argv) {
     reduce_table<8, 512, true>();
     reduce_table<8, 512, true>(true);
     reduce_steps_table();
+    if (gpus.size() < 2) return 0;
     reduce_beside_engine_table<8, 512>();
     reduce_beside_engine_table<8, 1024>();
     if (only == "sum") return 0;
