@@ -318,7 +318,9 @@ __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
 }
 
 // Lane r < R: an L2 prefetch of the copy from rank r of the token (own: user memory). Prefetching the
-// warp's next token as well measured slower.
+// warp's next token as well measured slower. Not in a 2-rank combine (kPair), whose bf16x2 sum is bound
+// by memory: there the prefetches slowed the reduction alone (benchmarks/probes/staged_reduce.cu, one
+// H200, L2 flushed) from 228.4 to 276.1 us at 8 SMs and from 89.7 to 102.2 at 24.
 __device__ __forceinline__ void prefetch_rows(const StagedReduceArgs& a, const StagingLayout& layout,
                                               const uint8_t* region, int pos, int64_t staged) {
   const int lane = lane_id();
@@ -368,7 +370,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     // NOTE: before any row is addressed (a row whose wait expired has no staged index); `expired` also
     // holds the previous token's waits.
     if (__any_sync(0xffffffffu, expired)) break;
-    prefetch_rows(a, layout, region, pos, staged);
+    if constexpr (!kPair) prefetch_rows(a, layout, region, pos, staged);
     // NOTE: orders each lane's acquire of its source's piece before every lane's reads of the rows.
     __syncwarp();
     const uint32_t weights_by_kernel =
