@@ -401,7 +401,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     int4* out = reinterpret_cast<int4*>(a.combined_x) + row_units;
     if constexpr (kPair) {
       const bool has_weights = a.combined_topk_weights != nullptr && lane < a.num_topk;
-      // NOTE: static indices keep the arrays in registers.
+      // NOTE: a copy chosen by `first` indexes the arrays at run time, so they live in local memory (a
+      // store and a load on every token's path: cuobjdump, sm_90a).
       const bool first = a.rank == 0;
       const int other = first ? 1 : 0;
       const Landing landing = landing_of(a, me, other, first ? unlanded_of[1] : unlanded_of[0]);
