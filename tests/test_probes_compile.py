@@ -13,8 +13,8 @@ NVCC = shutil.which("nvcc")
 
 
 def _include_dirs() -> list[str]:
-    cuda_home = Path(NVCC).resolve().parent.parent
-    return [str(ROOT / "csrc")] + [str(d) for d in (cuda_home / "include" / "cccl",) if d.is_dir()]
+    cccl = Path(NVCC).resolve().parent.parent / "include" / "cccl"  # cuda/std headers from CUDA 13 on
+    return [str(ROOT / "csrc")] + ([str(cccl)] if cccl.is_dir() else [])
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine (CI machines have one)")

@@ -94,8 +94,7 @@ void copies_table(int n, size_t bytes, cudaStream_t stream) {
     CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attributes, &first, 1, stream));
   });
 
-  // One graph of n memcpy nodes (no edges: the copies may run at once, as on the runtime's copy stream
-  // they run one after another; either way the engine's).
+  // One graph of n memcpy nodes without edges (the copies may run at once; on a stream they run in turn).
   cudaGraph_t graph;
   CHECK(cudaGraphCreate(&graph, 0));
   std::vector<cudaGraphNode_t> nodes(n);
