@@ -350,7 +350,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
-  constexpr int kSources = kPair ? 2 : kMaxNvlPeers;  // ranks whose copies a token may have
   if (!send_to_owners(a, layout, me, site)) return;
   bool expired = false;  // a wait of this lane expired: the warp ends its tokens
 
@@ -376,63 +375,77 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     const uint32_t weights_by_kernel =
         __ballot_sync(0xffffffffu, staged >= 0 && layout.weights_fit_whole(state.rows, a.num_topk));
 
-    const int4* src[kSources];
-    const float* src_weights[kSources];
-    uint32_t unlanded_of[kSources];
-#pragma unroll
-    for (int r = 0; r < kSources; ++r) {
-      const int row = shfl(pos, r < R ? r : 0);
-      const int64_t index = shfl(staged, r < R ? r : 0);
-      const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
-      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
-      unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
-      src[r] = nullptr;
-      src_weights[r] = nullptr;
-      if (r >= R || row < 0) continue;
-      if (r == a.rank) {
-        src[r] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2);
-        if (a.topk_weights != nullptr) src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
-      } else {
-        src[r] = reinterpret_cast<const int4*>(base + layout.row_offset(index));
-        src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
-      }
-    }
     const int64_t row_units = static_cast<int64_t>(t) * num_units;
     int4* out = reinterpret_cast<int4*>(a.combined_x) + row_units;
     if constexpr (kPair) {
+      // The two copies' addresses come straight from this rank's lane and the other's: arrays indexed by
+      // the rank live in local memory (a store and a load on every token's path, cuobjdump sm_90a); without
+      // them the reduction alone took 221 against 229 us at 8 SMs (staged_reduce.cu, one H200).
+      const int other = a.rank == 0 ? 1 : 0;
+      const int own_row = shfl(pos, a.rank);
+      const int staged_pos = shfl(pos, other);
+      const int64_t index = shfl(staged, other);
+      const int64_t weights_at = shfl(weights_index, other);
+      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, other));
+      const Landing landing = landing_of(a, me, other, shfl(unlanded, other));
+      const int4* own = own_row < 0 ? nullptr
+                                    : reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
+                                                                    static_cast<int64_t>(own_row) * a.hidden * 2);
+      const int4* staged_row = staged_pos < 0 ? nullptr : reinterpret_cast<const int4*>(base + layout.row_offset(index));
       const bool has_weights = a.combined_topk_weights != nullptr && lane < a.num_topk;
-      // NOTE: a copy chosen by `first` indexes the arrays at run time, so they live in local memory (a
-      // store and a load on every token's path: cuobjdump, sm_90a).
-      const bool first = a.rank == 0;
-      const int other = first ? 1 : 0;
-      const Landing landing = landing_of(a, me, other, first ? unlanded_of[1] : unlanded_of[0]);
       // The weights' loads go out before the rows' and are summed after them: their latency overlaps.
-      const float* own_weight = has_weights ? (first ? src_weights[0] : src_weights[1]) : nullptr;
-      const float* staged_weight = has_weights ? (first ? src_weights[1] : src_weights[0]) : nullptr;
+      const float* own_weight =
+          has_weights && own != nullptr && a.topk_weights != nullptr
+              ? a.topk_weights + static_cast<int64_t>(own_row) * a.num_topk
+              : nullptr;
+      const float* staged_weight =
+          has_weights && staged_row != nullptr
+              ? reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk))
+              : nullptr;
       const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
       float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
-      const uint32_t copies = (own_weight != nullptr ? 1u : 0u) | (staged_weight != nullptr ? 2u : 0u);
-      sum_own_and_staged(first ? src[0] : src[1], first ? src[1] : src[0], landing, num_units, out, site, expired);
+      sum_own_and_staged(own, staged_row, landing, num_units, out, site, expired);
       if (has_weights) {
         const bool stored = (weights_by_kernel >> other) & 1u;
-        if ((copies & 2u) && (stored || !landing.known()) && has_unlanded_word(staged_value))
+        if (staged_weight != nullptr && (stored || !landing.known()) && has_unlanded_word(staged_value))
           staged_value = wait_for_landed(staged_weight + lane,
                                          stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
                                                 : landing, site, expired);
         // In rank order from zero, as sum_staged_weights adds them.
         float sum = 0.f;
-        if (first && (copies & 1u)) sum += own_value;
-        if (copies & 2u) sum += staged_value;
-        if (!first && (copies & 1u)) sum += own_value;
+        if (a.rank == 0 && own_weight != nullptr) sum += own_value;
+        if (staged_weight != nullptr) sum += staged_value;
+        if (a.rank == 1 && own_weight != nullptr) sum += own_value;
         a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
       }
     } else {
+      const int4* src[kMaxNvlPeers];
+      const float* src_weights[kMaxNvlPeers];
+      uint32_t unlanded_of[kMaxNvlPeers];
+#pragma unroll
+      for (int r = 0; r < kMaxNvlPeers; ++r) {
+        const int row = shfl(pos, r < R ? r : 0);
+        const int64_t index = shfl(staged, r < R ? r : 0);
+        const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
+        const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
+        unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
+        src[r] = nullptr;
+        src_weights[r] = nullptr;
+        if (r >= R || row < 0) continue;
+        if (r == a.rank) {
+          src[r] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2);
+          if (a.topk_weights != nullptr) src_weights[r] = a.topk_weights + static_cast<int64_t>(row) * a.num_topk;
+        } else {
+          src[r] = reinterpret_cast<const int4*>(base + layout.row_offset(index));
+          src_weights[r] = reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk));
+        }
+      }
       if (a.combined_topk_weights != nullptr) {
         const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site, expired);
         if (lane < a.num_topk) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
       }
 #pragma unroll
-      for (int r = 0; r < kSources; ++r)
+      for (int r = 0; r < kMaxNvlPeers; ++r)
         if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
           wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site, expired);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
