@@ -225,11 +225,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
       if (lane == 0 && r < R) warp_totals[r][warp] = __popc(ballot);
     }
     // This rank's own runs: token t starts one when it is sent here and t - 1 is not, ends one when
-    // t + 1 is not.
+    // t + 1 is not. NOTE: a lane past the last token reads no flag (its t - 1 is past the end too).
     const bool own = valid && flags[args.rank];
     const bool lane_before = __shfl_up_sync(0xffffffffu, own, 1), lane_after = __shfl_down_sync(0xffffffffu, own, 1);
     const bool own_before = lane > 0 ? lane_before
-                                     : t > 0 && args.is_token_in_rank[static_cast<int64_t>(t - 1) * R + args.rank];
+                                     : valid && t > 0 &&
+                                           args.is_token_in_rank[static_cast<int64_t>(t - 1) * R + args.rank];
     const bool own_after = lane < 31 ? lane_after
                                      : t + 1 < args.num_tokens &&
                                            args.is_token_in_rank[static_cast<int64_t>(t + 1) * R + args.rank];
