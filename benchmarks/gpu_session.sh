@@ -69,11 +69,11 @@ stage() {  # stage NAME COMMAND...: run, log, record rc and duration
 
 # The GPU-using test files, in two halves of similar length at 2 ranks; the rank-dependent ones at 4.
 SUITE_A=${SUITE_A:-"tests/test_native_intranode.py tests/test_cli.py tests/test_permute.py tests/test_reference_normal.py
-  tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py"}
+  tests/test_reference_low_latency.py tests/test_launch.py tests/test_examples.py tests/test_native_memcheck.py"}
 SUITE_B=${SUITE_B:-"tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_layout.py
   tests/test_output_region.py tests/test_native_internode.py tests/test_megatron_gpu.py
   tests/test_megatron_integration.py tests/test_torch_grouped_experts.py tests/test_torch_outputs.py"}
-SUITE_4="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_internode.py"
+SUITE_4="tests/test_native_low_latency.py tests/test_deepep_compat.py tests/test_native_internode.py tests/test_native_memcheck.py"
 
 suite_pass() {  # suite_pass NAME GPUS FILES...: each file's tests on those GPUs (all if GPUS is empty), a line each
   local name=$1 gpus=$2 file left start; shift 2
