@@ -16,12 +16,10 @@ HELPER = Path(__file__).with_name("memcheck_rounds.py")
 
 
 def find_sanitizer() -> Optional[str]:
-    """compute-sanitizer on PATH or in the CUDA toolkit (CUDA_HOME, else /usr/local/cuda)."""
-    on_path = shutil.which("compute-sanitizer")
-    if on_path:
-        return on_path
-    in_toolkit = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "compute-sanitizer"
-    return str(in_toolkit) if in_toolkit.exists() else None
+    """compute-sanitizer on PATH, or beside nvcc (the CUDA toolkit's bin)."""
+    nvcc = shutil.which("nvcc")
+    beside_nvcc = Path(nvcc).parent / "compute-sanitizer" if nvcc else None
+    return shutil.which("compute-sanitizer") or (str(beside_nvcc) if beside_nvcc and beside_nvcc.exists() else None)
 
 
 @needs_ranks(RANKS)
