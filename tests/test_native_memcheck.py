@@ -16,10 +16,10 @@ HELPER = Path(__file__).with_name("memcheck_rounds.py")
 
 
 def find_sanitizer() -> Optional[str]:
-    """compute-sanitizer on PATH, or beside nvcc (the CUDA toolkit's bin)."""
-    nvcc = shutil.which("nvcc")
-    beside_nvcc = Path(nvcc).parent / "compute-sanitizer" if nvcc else None
-    return shutil.which("compute-sanitizer") or (str(beside_nvcc) if beside_nvcc and beside_nvcc.exists() else None)
+    """compute-sanitizer on PATH, or in the CUDA toolkit torch builds extensions with (its CUDA_HOME)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    in_toolkit = Path(CUDA_HOME) / "bin" / "compute-sanitizer" if CUDA_HOME else None
+    return shutil.which("compute-sanitizer") or (str(in_toolkit) if in_toolkit and in_toolkit.exists() else None)
 
 
 @needs_ranks(RANKS)
