@@ -63,6 +63,7 @@ STYLE_CONDITIONS = {
     "default_device": (("normal", "low_latency"), "torch.set_default_device(the rank's device)"),
     "default_dtype": (("normal", "low_latency"), "torch.set_default_dtype(torch.bfloat16)"),
 }
+FP8_ONLY_CONDITIONS = ("col_scales",)  # BF16 payloads carry no scales
 PEER_MODULE = "deep_ep"
 
 
@@ -105,12 +106,13 @@ class BenchSettings:
         return not on_gpu and any(getattr(self, k) is None for k in GPU_DEFAULTS[self.mode])
 
 
-def parse_style(text: Optional[str], mode: str) -> Tuple[str, ...]:
-    """`--style`: 'deepep' (every condition of the mode), 'plain' / None (none), or a comma list."""
+def parse_style(text: Optional[str], mode: str, dtype: str = "bf16") -> Tuple[str, ...]:
+    """`--style`: 'deepep' (every condition of the mode and payload), 'plain' / None (none), or a comma list."""
     if not text or text == "plain":
         return ()
     if text == "deepep":
-        return tuple(name for name, (modes, _) in STYLE_CONDITIONS.items() if mode in modes)
+        return tuple(name for name, (modes, _) in STYLE_CONDITIONS.items()
+                     if mode in modes and (dtype == "fp8" or name not in FP8_ONLY_CONDITIONS))
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for name in names:
         if name not in STYLE_CONDITIONS:
@@ -212,8 +214,9 @@ def validate(s: BenchSettings, num_ranks: int, on_gpu: bool) -> None:
         raise UsageError(f"--hidden {s.hidden}: FP8 payloads need a multiple of 128 (one scale per 128 channels)")
     if "back_to_back" in s.style and s.gpu_lead_us > 0:
         raise UsageError("--gpu-lead-us: a GPU lead contradicts --style back_to_back; drop one")
-    if "col_scales" in s.style and s.dtype != "fp8":
-        raise UsageError("--style col_scales: needs --dtype fp8 (BF16 payloads carry no scales)")
+    for name in FP8_ONLY_CONDITIONS:
+        if name in s.style and s.dtype != "fp8":
+            raise UsageError(f"--style {name}: needs --dtype fp8 (BF16 payloads carry no scales)")
     if s.backend == "native" and not on_gpu:
         raise UsageError("--backend native (or backend: native in the config): no GPU here "
                          "(torch.cuda.is_available() is False); use --backend reference or auto")

@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "reference; none")
     bench.add_argument("--no-baseline", action="store_true", help="the same as --baseline none")
     bench.add_argument("--style", default=None,
-                       help="call as a DeepEP program does: deepep (every condition), or a comma list of "
-                            "col_scales, explicit_config, combine_after_dispatch, back_to_back, default_device, "
-                            "default_dtype (default: plain)")
+                       help="call as a DeepEP program does: deepep (every condition; col_scales with FP8 only), "
+                            "or a comma list of col_scales, explicit_config, combine_after_dispatch, back_to_back, "
+                            "default_device, default_dtype (default: plain)")
     bench.add_argument("--sweep", default=None, help="e.g. num_sms=8,16,24 or tokens=128,1024")
     bench.add_argument("--no-check", action="store_true", help="skip the check against the reference backend")
     bench.add_argument("--out", default=None, help="write the results and configuration as JSON")
@@ -96,7 +96,7 @@ def _bench(args: argparse.Namespace, argv: List[str]) -> int:
                              warmup=args.warmup, iters=args.iters, seed=args.seed, gpu_lead_us=args.gpu_lead_us,
                              baselines=resolve_baselines("none" if args.no_baseline else args.baseline),
                              peer_required=not args.no_baseline and args.baseline == "deepep",
-                             check=not args.no_check, style=parse_style(args.style, mode),
+                             check=not args.no_check, style=parse_style(args.style, mode, args.dtype),
                              sweep=_parse_sweep(args.sweep),
                              command=f"{PROG} " + " ".join(shlex.quote(a) for a in argv))
     return main_bench(settings, args.out, args.plot)

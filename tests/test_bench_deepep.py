@@ -84,8 +84,17 @@ def test_each_deepep_program_condition_runs_alone_checked(tmp_path, condition):
     assert list(result["style"]) == [condition] and result["style"][condition]
 
 
-def test_deepep_style_takes_every_condition_of_the_mode():
-    assert bench.parse_style("deepep", "normal") == tuple(bench.STYLE_CONDITIONS)
+def test_deepep_style_runs_with_bf16_payloads_without_the_scales_condition(tmp_path):
+    report = run(tmp_path, "--style", "deepep", "--baseline", "none")
+    (result,) = report["runs"]
+    assert result["checked"] is True
+    assert result["settings"]["style"] == [name for name in bench.STYLE_CONDITIONS if name != "col_scales"]
+
+
+def test_deepep_style_takes_every_condition_of_the_mode_and_payload():
+    assert bench.parse_style("deepep", "normal", "fp8") == tuple(bench.STYLE_CONDITIONS)
+    everything_but_scales = tuple(name for name in bench.STYLE_CONDITIONS if name != "col_scales")
+    assert bench.parse_style("deepep", "normal", "bf16") == everything_but_scales
     assert bench.parse_style("deepep", "low_latency") == ("back_to_back", "default_device", "default_dtype")
     assert bench.parse_style("plain", "normal") == () and bench.parse_style(None, "normal") == ()
 
