@@ -16,6 +16,7 @@
 // NOTE: the few headers it needs, not torch/extension.h (a third of the build time).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -29,6 +30,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/dlpack_abi.h"
 #include "common/layout_launcher.h"
 #include "common/low_latency_launchers.h"
 
@@ -412,6 +414,163 @@ std::variant<LayoutCalls, Failure> make_layout_calls(pybind11::object outputs, p
                      LayoutSizes{num_experts, num_ranks, ranks_per_node, max_topk, counts_nodes});
 }
 
+// ---- the normal-mode dispatch's inputs, read in C++ ------------------------------------------------
+// What an intranode dispatch needs of its tensors (addresses, sizes, strides), read in one binding call:
+// in Python each of these reads costs about 0.5 us, and a dispatch makes some forty of them with its
+// checks. Each tensor must be what the kernels read without a copy; else None, and the checked Python path
+// raises naming the argument, or copies it and reads again.
+class NormalInputs {
+ public:
+  NormalInputs(const at::Device& device, int64_t max_topk) : device_(device), max_topk_(max_topk) {}
+
+  // (num_tokens, row_bytes, x, scales, num_scales, scale_token_stride, scale_stride, scales_are_int32) of a
+  // dispatch payload: a [T, H] bf16 tensor, or (fp8 [T, H], float32 or int32 scales [T, S] in any layout of
+  // positive strides); the addresses as ints (0: none). `exact`: plain torch.Tensors only (a subclass is
+  // the checked path's to accept).
+  pybind11::object payload(pybind11::handle x, bool exact) const {
+    return none_if_thrown([&]() -> pybind11::object {
+      const auto read = read_payload(x, exact);
+      return read ? payload_tuple(*read) : pybind11::none();
+    });
+  }
+
+  // The payload's numbers, then (num_topk, topk_idx, has_weights, topk_weights, num_experts, is_token_in_rank,
+  // num_tokens_per_expert) of a dispatch with notify among `num_ranks` ranks; topk_idx and topk_weights may be
+  // None (K = 0), and num_tokens_per_rank (then not read).
+  pybind11::object dispatch(pybind11::handle x, pybind11::handle topk_idx_object, pybind11::handle topk_weights_object,
+                            pybind11::handle per_rank_object, pybind11::handle in_rank_object,
+                            pybind11::handle per_expert_object, int64_t num_ranks, bool exact) const {
+    return none_if_thrown([&]() -> pybind11::object {
+      const auto read = read_payload(x, exact);
+      const auto in_rank = tensor_any(in_rank_object, exact), per_expert = tensor_any(per_expert_object, exact);
+      if (!read || !in_rank || !per_expert) return pybind11::none();
+      const int64_t T = read->num_tokens, R = num_ranks;
+      if (!is_plain(*in_rank, device_, at::kBool, {T, R}) || per_expert->dim() != 1 ||
+          !is_plain(*per_expert, device_, at::kInt, {per_expert->size(0)}))
+        return pybind11::none();
+      if (!per_rank_object.is_none()) {
+        const auto per_rank = tensor_any(per_rank_object, exact);
+        if (!per_rank || per_rank->dim() != 1 || per_rank->device() != device_ || per_rank->scalar_type() != at::kInt ||
+            per_rank->size(0) != R)
+          return pybind11::none();
+      }
+      const int64_t num_experts = per_expert->size(0);
+      if (num_experts < 1 || num_experts % R != 0) return pybind11::none();
+      int64_t K = 0;
+      uintptr_t topk_idx = 0, topk_weights = 0;
+      bool has_weights = false;
+      if (!topk_idx_object.is_none()) {
+        const auto ids = tensor_any(topk_idx_object, exact);
+        if (!ids || ids->dim() != 2) return pybind11::none();
+        K = ids->size(1);
+        if (K < 1 || K > max_topk_ || !is_plain(*ids, device_, at::kLong, {T, K})) return pybind11::none();
+        topk_idx = address(*ids);
+        if (!topk_weights_object.is_none()) {
+          const auto weights = tensor_any(topk_weights_object, exact);
+          if (!weights || !is_plain(*weights, device_, at::kFloat, {T, K})) return pybind11::none();
+          topk_weights = address(*weights);
+          has_weights = true;
+        }
+      } else if (!topk_weights_object.is_none()) {
+        return pybind11::none();
+      }
+      return pybind11::make_tuple(read->num_tokens, read->row_bytes, read->x, read->scales, read->num_scales,
+                                  read->scale_token_stride, read->scale_stride, read->scales_are_int32, K, topk_idx,
+                                  has_weights, topk_weights, num_experts, address(*in_rank), address(*per_expert));
+    });
+  }
+
+ private:
+  struct Payload {
+    int64_t num_tokens, row_bytes;
+    uintptr_t x, scales;
+    int64_t num_scales, scale_token_stride, scale_stride;
+    bool scales_are_int32;
+  };
+
+  static std::optional<at::Tensor> tensor_any(pybind11::handle object, bool exact) {
+    if (exact) return tensor_of(object);
+    if (!THPVariable_Check(object.ptr())) return std::nullopt;
+    return THPVariable_Unpack(object.ptr());
+  }
+
+  // A tensor's address as the kernels take it (0 for an empty tensor, as address_of in Python).
+  static uintptr_t address(const at::Tensor& tensor) {
+    return tensor.numel() == 0 ? 0 : reinterpret_cast<uintptr_t>(tensor.data_ptr());
+  }
+
+  std::optional<Payload> read_payload(pybind11::handle x, bool exact) const {
+    const bool is_pair = PyTuple_Check(x.ptr()) || PyList_Check(x.ptr());
+    if (is_pair && PySequence_Size(x.ptr()) != 2) return std::nullopt;
+    const auto data = tensor_any(is_pair ? pybind11::handle(PySequence_Fast_GET_ITEM(x.ptr(), 0)) : x, exact);
+    if (!data || data->dim() != 2) return std::nullopt;
+    const int64_t T = data->size(0), H = data->size(1);
+    if (!is_plain(*data, device_, is_pair ? at::kFloat8_e4m3fn : at::kBFloat16, {T, H})) return std::nullopt;
+    const int64_t row_bytes = H * static_cast<int64_t>(data->element_size());
+    if (row_bytes % 16 != 0) return std::nullopt;
+    Payload read{T, row_bytes, address(*data), 0, 0, 0, 0, false};
+    if (!is_pair) return read;
+    const auto scales = tensor_any(PySequence_Fast_GET_ITEM(x.ptr(), 1), exact);
+    if (!scales || scales->dim() != 2 || scales->device() != device_ || scales->size(0) != T || scales->size(1) < 1 ||
+        scales->stride(0) < 1 || scales->stride(1) < 1)
+      return std::nullopt;
+    if (scales->scalar_type() != at::kFloat && scales->scalar_type() != at::kInt) return std::nullopt;
+    read.scales = address(*scales);
+    read.num_scales = scales->size(1);
+    read.scale_token_stride = scales->stride(0);
+    read.scale_stride = scales->stride(1);
+    read.scales_are_int32 = scales->scalar_type() == at::kInt;
+    return read;
+  }
+
+  static pybind11::object payload_tuple(const Payload& p) {
+    return pybind11::make_tuple(p.num_tokens, p.row_bytes, p.x, p.scales, p.num_scales, p.scale_token_stride,
+                                p.scale_stride, p.scales_are_int32);
+  }
+
+  at::Device device_;
+  int64_t max_topk_;
+};
+
+// ---- the output region's tensors ------------------------------------------------------------------
+// Tensors of `dtypes` over the uint8 DLPack capsules that ep_plugin._C hands out for the output region
+// (compact, row-major), each capsule consumed as torch.from_dlpack consumes one; its last extent in
+// elements of the dtype. In one binding call: from Python a capsule's tensor and its view cost about 3 us.
+std::variant<std::vector<at::Tensor>, Failure> region_tensors(const std::vector<pybind11::capsule>& capsules,
+                                                              const std::vector<at::ScalarType>& dtypes) {
+  namespace dl = ep_plugin::dlpack;
+  if (capsules.size() != dtypes.size()) return Failure{"value", "region_tensors: one dtype per capsule"};
+  for (const pybind11::capsule& capsule : capsules) {
+    if (!PyCapsule_IsValid(capsule.ptr(), dl::kCapsuleName))
+      return Failure{"value", "region_tensors: a capsule that is not an unused \"dltensor\""};
+    const auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), dl::kCapsuleName));
+    const dl::Tensor& t = managed->dl_tensor;
+    if (t.dtype.code != dl::kUInt || t.dtype.bits != 8 || t.dtype.lanes != 1 || t.strides != nullptr || t.ndim < 1)
+      return Failure{"value", "region_tensors: capsules of compact uint8 tensors only"};
+  }
+  return without_throwing([&] {
+    std::vector<at::Tensor> tensors;
+    for (size_t i = 0; i < capsules.size(); ++i) {
+      auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsules[i].ptr(), dl::kCapsuleName));
+      const dl::Tensor& t = managed->dl_tensor;
+      std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
+      const int64_t item = static_cast<int64_t>(c10::elementSize(dtypes[i]));
+      TORCH_CHECK(sizes.back() % item == 0, "region_tensors: ", sizes.back(), " bytes are not whole elements");
+      sizes.back() /= item;
+      const at::Device device = t.device.device_type == dl::kCUDA
+                                    ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(t.device.device_id))
+                                    : at::Device(at::kCPU);
+      tensors.push_back(at::from_blob(static_cast<uint8_t*>(t.data) + t.byte_offset, sizes,
+                                      [managed](void*) { managed->deleter(managed); },
+                                      at::TensorOptions().dtype(dtypes[i]).device(device)));
+      // NOTE: consumed as torch.from_dlpack consumes a capsule: the tensor now returns the memory.
+      PyCapsule_SetName(capsules[i].ptr(), dl::kUsedCapsuleName);
+      PyCapsule_SetDestructor(capsules[i].ptr(), nullptr);
+    }
+    return tensors;
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -452,6 +611,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("ranks_per_node"), pybind11::arg("max_topk"), pybind11::arg("counts_nodes"),
         "The LayoutCalls of one expert count (its OutputGroup, _C's layout_launcher capsule, the IntranodeRuntime "
         "or None, sizes); or a failure.");
+  pybind11::class_<NormalInputs>(m, "NormalInputs",
+                                 "The normal-mode dispatch's inputs read in one binding call each (NormalInputs(device, "
+                                 "max_topk)).")
+      .def(pybind11::init<const at::Device&, int64_t>(), pybind11::arg("device"), pybind11::arg("max_topk"))
+      .def("payload", &NormalInputs::payload, pybind11::arg("x"), pybind11::arg("exact"),
+           "(num_tokens, row_bytes, x, scales, num_scales, scale_token_stride, scale_stride, scales_are_int32) of a "
+           "dispatch payload, or None where it is not what the kernels read without a copy.")
+      .def("dispatch", &NormalInputs::dispatch, pybind11::arg("x"), pybind11::arg("topk_idx"),
+           pybind11::arg("topk_weights"), pybind11::arg("num_tokens_per_rank"), pybind11::arg("is_token_in_rank"),
+           pybind11::arg("num_tokens_per_expert"), pybind11::arg("num_ranks"), pybind11::arg("exact"),
+           "The payload's numbers, then (num_topk, topk_idx, has_weights, topk_weights, num_experts, "
+           "is_token_in_rank, num_tokens_per_expert) of a dispatch with notify, or None.");
+  m.def("region_tensors", &region_tensors, pybind11::arg("capsules"), pybind11::arg("dtypes"),
+        "Tensors of `dtypes` over ep_plugin._C's uint8 DLPack capsules of the output region (compact), each "
+        "capsule consumed; or a failure.");
   m.def("output_group", &make_output_group, pybind11::arg("blocks"), pybind11::arg("device"),
         "An OutputGroup of `blocks`: lists of specs, (sizes, strides or None, dtype) each, whose outputs share "
         "one allocation per block; an extent of -1 is the row count given to its empty(); or a failure.");

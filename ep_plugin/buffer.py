@@ -172,6 +172,7 @@ class Buffer:
         self._unchecked_low_latency = (
             fast if self.low_latency_mode and hasattr(fast, "unchecked_low_latency_dispatch") else None)
         self._unchecked_layout = fast if hasattr(fast, "unchecked_dispatch_layout") else None
+        self._unchecked_normal = fast if hasattr(fast, "unchecked_dispatch") else None
         try:
             self._rank_mask = masking.attach(self._backend, enable_shrink)
         except NotImplementedError:
@@ -217,7 +218,7 @@ class Buffer:
         self._release(collective=True)
 
     def _release(self, collective: bool) -> None:
-        self._unchecked_low_latency = self._unchecked_layout = None
+        self._unchecked_low_latency = self._unchecked_layout = self._unchecked_normal = None
         if self._backend is not None:
             self._backend.destroy(collective)
             self._backend = None
@@ -432,7 +433,6 @@ class Buffer:
                                    [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
         return (*outputs, event)
 
-    @_without_device_mode
     def dispatch(self, x: XType, handle: Optional[object] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -478,6 +478,50 @@ class Buffer:
             handle: the layout, for `combine` and cached dispatch.
             event: completion event (meaningful with `async_finish`).
         """
+        fast = self._unchecked_normal
+        if (fast is not None and previous_event is None and not async_finish and not allocate_on_comm_stream
+                and num_worst_tokens.__class__ is int and num_worst_tokens == 0
+                and expert_alignment.__class__ is int and expert_alignment >= 1 and self._plain_call()):
+            done = self._unchecked_dispatch(fast, x, handle, num_tokens_per_rank, is_token_in_rank,
+                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config)
+            if done is not None:
+                return done
+        return self._checked_dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                      previous_event, async_finish, allocate_on_comm_stream)
+
+    def _unchecked_dispatch(self, fast, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                            topk_idx, topk_weights, expert_alignment, config):
+        """dispatch through the backend's eager fast path (backends/intranode.py), or None where the checked
+        path must run (having launched nothing)."""
+        if config is None:
+            config = self._default_config("dispatch")
+        elif config.__class__ is not Config:
+            return None
+        is_pair = x.__class__ is tuple or x.__class__ is list
+        if handle is not None:
+            if handle.__class__ is not DispatchHandle or topk_idx is not None or topk_weights is not None:
+                return None
+            done = fast.unchecked_cached_dispatch(x, handle.inner, config)
+            if done is None:
+                return None
+            return (done if is_pair else done[0]), None, None, None, None, EventOverlap(None)
+        if V.is_capturing():  # the checked path says why this needs num_worst_tokens
+            return None
+        done = fast.unchecked_dispatch(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                       num_tokens_per_expert, expert_alignment, config)
+        if done is None:
+            return None
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, inner = done
+        new_handle = DispatchHandle(inner, is_token_in_rank, self.rank, self._info.is_intranode, self._gather_counts)
+        return ((recv_x, recv_scales) if is_pair else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
+                new_handle, EventOverlap(None))
+
+    @_without_device_mode
+    def _checked_dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                          topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                          allocate_on_comm_stream):
+        """dispatch with every argument checked in Python (a message naming the one that is wrong)."""
         backend = self._live_backend()
         device = self._device()
         data, scales = V.split_x(x, device)
@@ -526,8 +570,8 @@ class Buffer:
         outputs, event = self._run(
             lambda: backend.dispatch(data, scales, None if topk_idx is None else topk_idx.contiguous(),
                                      None if topk_weights is None else topk_weights.contiguous(),
-                                     num_tokens_per_rank, is_token_in_rank.contiguous(), num_tokens_per_expert,
-                                     expert_alignment, num_worst_tokens, config),
+                                     num_tokens_per_rank, is_token_in_rank.contiguous(),
+                                     num_tokens_per_expert.contiguous(), expert_alignment, num_worst_tokens, config),
             inputs, previous_event, async_finish, allocate_on_comm_stream)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, inner = outputs
         new_handle = DispatchHandle(inner, is_token_in_rank, self.rank, self._info.is_intranode, self._gather_counts)

@@ -214,6 +214,8 @@ def native_errors(runtimes: Iterable[object], operation: str = "") -> Iterator[N
 # Backend methods that run kernels (the Backend contract of backends/base.py).
 _BACKEND_OPERATIONS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
                        "low_latency_combine", "clean_low_latency_buffer")
+# Eager fast paths that may fail after their first launch, by the operation their errors name.
+_FAST_PATH_OPERATIONS = {"unchecked_dispatch": "dispatch", "unchecked_cached_dispatch": "cached_dispatch"}
 
 
 def runtimes_of(backend: object) -> list:
@@ -265,9 +267,10 @@ def raises_structured_errors(cls):
     does not fail it.
     """
     cls.failure = None
-    for operation in _BACKEND_OPERATIONS:
+    for name, operation in [*((operation, operation) for operation in _BACKEND_OPERATIONS),
+                            *_FAST_PATH_OPERATIONS.items()]:
         # NOTE: inherited methods too: a backend class gathers its modes' methods from mixins.
-        method = getattr(cls, operation, None)
+        method = getattr(cls, name, None)
         if method is not None:
-            setattr(cls, operation, _translating(method, operation))
+            setattr(cls, name, _translating(method, operation))
     return cls

@@ -34,8 +34,8 @@ SMALL_REGION_BYTES = 3 * 48 * (2 * HIDDEN + 12 * TOPK + 4) // 2
 
 
 class Ctx:
-    def __init__(self, rank: int, num_ranks: int, buffers: Dict[str, Buffer], seed: int) -> None:
-        self.rank, self.num_ranks, self.buffers = rank, num_ranks, buffers
+    def __init__(self, rank: int, num_ranks: int, buffers: Dict[str, Buffer], seed: int, fast: bool) -> None:
+        self.rank, self.num_ranks, self.buffers, self.fast = rank, num_ranks, buffers, fast
         self.gen = torch.Generator().manual_seed(seed + rank)
         self.num_local = NUM_EXPERTS // num_ranks
         self.rows = T * num_ranks  # what the stand-in's wait_notify answers
@@ -318,7 +318,8 @@ def case_layout_fast_path(ctx: Ctx) -> None:
                     planned = result
         finally:
             buffer._unchecked_layout = None
-            del buffer._plain_call
+            if not ctx.fast:  # then host_worker opened no fast path
+                del buffer._plain_call
     steps = {name: (tried, ran) for name, tried, ran in steps}
     # (fast-path calls tried, with whether they fitted; the checked path's kernel launches, by expert count)
     assert steps["first of its expert count"] == ([], [experts]), steps
@@ -332,6 +333,44 @@ def case_layout_fast_path(ctx: Ctx) -> None:
     assert per_node is None and event.event is None
     assert (per_rank.shape, per_expert.shape, in_rank.shape) == ((ctx.num_ranks,), (experts,), (T, ctx.num_ranks))
     assert (per_rank.dtype, per_expert.dtype, in_rank.dtype) == (torch.int32, torch.int32, torch.bool)
+
+
+def case_dispatch_fast_path(ctx: Ctx) -> None:
+    """With the eager fast path open (a GPU buffer's, see host_worker), plain dispatches and cached dispatches
+    take it and the rest do not: an event, async_finish, num_worst_tokens, column-major ids, a handle of
+    another buffer's. Every case above runs with it open as well, checking the same Args."""
+    backend = ctx.buffers["direct"]._backend
+    taken = []
+
+    def recording(name):
+        method = getattr(backend, name)
+
+        def call(*args, **kwargs):
+            result = method(*args, **kwargs)
+            taken.append((name, result is not None))
+            return result
+        return call
+
+    with mock.patch.object(backend, "unchecked_dispatch", recording("unchecked_dispatch")), \
+            mock.patch.object(backend, "unchecked_cached_dispatch", recording("unchecked_cached_dispatch")):
+        x, topk_idx, weights = ctx.inputs(fp8=True, column_major_scales=True)
+        buffer = ctx.buffers["direct"]
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        handle = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)[4]
+        buffer.dispatch(x, handle=handle)
+        buffer.dispatch(x, topk_idx=topk_idx.t().contiguous().t(), **layout)
+        buffer.dispatch(x, topk_idx=topk_idx, async_finish=True, **layout)
+        buffer.dispatch(x, topk_idx=topk_idx, previous_event=buffer.capture(), **layout)
+        buffer.dispatch(x, topk_idx=topk_idx, num_worst_tokens=3 * T, **layout)
+        other = ctx.buffers["rings"].dispatch(x, topk_idx=topk_idx, **layout)[4]
+        with pytest.raises(ValueError, match="does not come from this Buffer"):
+            buffer.dispatch(x, handle=other)
+    if not ctx.fast:
+        assert taken == [], taken
+        return
+    assert taken == [("unchecked_dispatch", True), ("unchecked_cached_dispatch", True),
+                     ("unchecked_dispatch", False), ("unchecked_cached_dispatch", False)], taken
 
 
 CASES = [name for name in globals() if name.startswith("case_")]
@@ -349,20 +388,24 @@ def _buffer(group, dispatch_output_bytes) -> Buffer:
     return buffer
 
 
-def host_worker(rank: int, num_ranks: int, group, seed: int) -> Dict[str, Optional[str]]:
+def host_worker(rank: int, num_ranks: int, group, seed: int, fast: bool) -> Dict[str, Optional[str]]:
+    """Every case on each rank; `fast`: the dispatch's eager fast path open, as on a GPU (a CPU buffer has none)."""
     with stand_in_kernels(StandInLowLatencyRuntime(), intranode=RecordingIntranodeRuntime):
         buffers = {"direct": _buffer(group, "auto"), "small": _buffer(group, SMALL_REGION_BYTES),
                    "rings": _buffer(group, 0)}
+        if fast:
+            for buffer in buffers.values():
+                buffer._unchecked_normal, buffer._plain_call = buffer._backend, lambda: True
         try:
-            return run_each(_cases(Ctx(rank, num_ranks, buffers, seed)), CASES)
+            return run_each(_cases(Ctx(rank, num_ranks, buffers, seed, fast)), CASES)
         finally:
             for buffer in buffers.values():
                 buffer.destroy()
 
 
-@pytest.fixture(scope="module")
-def results():
-    return parallel_launch(2, host_worker, BASE_SEED, backend="gloo", timeout_s=120)
+@pytest.fixture(scope="module", params=[False, True], ids=["checked", "fast_path"])
+def results(request):
+    return parallel_launch(2, host_worker, BASE_SEED, request.param, backend="gloo", timeout_s=120)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -211,3 +211,27 @@ def test_auto_output_region_holds_two_dispatches_up_to_four_ranks():
     assert tuning.output_region_bytes(buffer, 5) == tuning.output_region_bytes(buffer, 8) == 0
     fixed = as_config({"buffer": {"dispatch_output_bytes": 12345}}).buffer
     assert tuning.output_region_bytes(fixed, 8) == 12345
+
+
+def test_region_tensors_consume_capsules_with_their_dtypes_and_return_the_block_with_the_last():
+    """_C_torch.region_tensors: the direct dispatch's outputs as tensors of their dtypes in one call, each
+    capsule consumed as torch.from_dlpack consumes one; bad arguments are failures, consuming nothing."""
+    _C_torch = pytest.importorskip("ep_plugin._C_torch")
+    host = HostRegion(256 * ALIGNMENT)
+    args = _C.DispatchArgs()
+    blocks = [[(0, 64, True), (1, 8, True)], [(4, 4, False)]]
+    capsules = host.region.place_direct_outputs(args, 5, blocks, 0)
+    dtypes = [torch.bfloat16, torch.float32, torch.int32]
+    assert _C_torch.region_tensors(capsules, dtypes[:2])[0] == "value"
+    rows, scales, src = _C_torch.region_tensors(capsules, dtypes)
+    assert [(tuple(t.shape), t.dtype) for t in (rows, scales, src)] == [((5, 32), torch.bfloat16),
+                                                                         ((5, 2), torch.float32), ((5,), torch.int32)]
+    assert rows.data_ptr() == args.recv_x and scales.data_ptr() == args.recv_x_scales
+    assert src.data_ptr() == args.recv_src_idx
+    assert _C_torch.region_tensors(capsules[:1], dtypes[:1])[0] == "value", "a consumed capsule is refused"
+    del capsules, rows, scales
+    gc.collect()
+    assert host.region.largest_free_bytes() < 256 * ALIGNMENT, "src still holds its block"
+    del src
+    gc.collect()
+    assert host.region.largest_free_bytes() == 256 * ALIGNMENT

@@ -184,3 +184,81 @@ def test_layout_calls_return_none_and_raise_nothing_where_they_cannot_launch(cou
                      ids.int(), ids[0], ids[None], ids.t().contiguous().t(), ids[:, :0],
                      torch.zeros(5, 33, dtype=torch.int64), "ids", None]:
         assert calls.layout(topk_idx, 0) is None
+
+
+# ---- NormalInputs: the dispatch's tensors read in one binding call (backends/intranode.py) ----------------
+def normal_inputs():
+    from ep_plugin import _C_torch
+    from ep_plugin.tuning import MAX_TOPK
+    return _C_torch.NormalInputs(CPU, MAX_TOPK)
+
+
+def fp8_payload(tokens: int = 5, hidden: int = 32, num_scales: int = 2, column_major: bool = False,
+                dtype=torch.float32):
+    data = torch.zeros(tokens, hidden, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(tokens, num_scales, dtype=dtype)
+    return data, scales.t().contiguous().t() if column_major else scales
+
+
+def address(tensor):
+    return tensor.data_ptr() if tensor.numel() else 0
+
+
+@pytest.mark.parametrize("column_major", [False, True], ids=["row_major", "column_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=["float32", "int32"])
+def test_normal_inputs_read_an_fp8_payload_as_python_would(column_major, dtype):
+    data, scales = fp8_payload(column_major=column_major, dtype=dtype)
+    for payload in ((data, scales), [data, scales]):
+        assert normal_inputs().payload(payload, True) == (
+            5, 32, data.data_ptr(), scales.data_ptr(), 2, *scales.stride(), dtype == torch.int32)
+
+
+def test_normal_inputs_read_a_bf16_payload_and_a_dispatch_with_and_without_top_k():
+    inputs = normal_inputs()
+    x = torch.zeros(5, 16, dtype=torch.bfloat16)
+    assert inputs.payload(x, True) == (5, 32, x.data_ptr(), 0, 0, 0, 0, False)
+    ids, weights = torch.zeros(5, 3, dtype=torch.int64), torch.zeros(5, 3)
+    per_rank, in_rank, per_expert = torch.zeros(2, dtype=torch.int32), torch.zeros(5, 2, dtype=torch.bool), \
+        torch.zeros(8, dtype=torch.int32)
+    read = inputs.dispatch(x, ids, weights, per_rank, in_rank, per_expert, 2, True)
+    assert read == (5, 32, x.data_ptr(), 0, 0, 0, 0, False, 3, ids.data_ptr(), True, weights.data_ptr(), 8,
+                    in_rank.data_ptr(), per_expert.data_ptr())
+    assert inputs.dispatch(x, ids, None, None, in_rank, per_expert, 2, True)[8:12] == (3, ids.data_ptr(), False, 0)
+    assert inputs.dispatch(x, None, None, per_rank, in_rank, per_expert, 2, True)[8:12] == (0, 0, False, 0)
+    # No tokens: present weights have no address, as address_of gives them.
+    empty = inputs.dispatch(x[:0], ids[:0], weights[:0], per_rank, in_rank[:0], per_expert, 2, True)
+    assert empty[0] == 0 and empty[8:12] == (3, 0, True, 0)
+
+
+def test_normal_inputs_return_none_where_the_kernels_cannot_read_an_argument_as_is():
+    inputs = normal_inputs()
+    data, scales = fp8_payload()
+    x = torch.zeros(5, 16, dtype=torch.bfloat16)
+    for payload in [x.float(), x[:, :8], x.t().contiguous().t(), x[None], (data, scales, scales), (data,),
+                    (data.view(torch.uint8), scales), (data, scales.double()), (data, scales[:4]), (data, scales[:, :0]),
+                    (data, scales.expand(5, 2)[:, :1].expand(5, 2)), (data[:, :8], scales), "x", None]:
+        assert inputs.payload(payload, True) is None, payload
+    ids, weights = torch.zeros(5, 3, dtype=torch.int64), torch.zeros(5, 3)
+    per_rank, in_rank, per_expert = torch.zeros(2, dtype=torch.int32), torch.zeros(5, 2, dtype=torch.bool), \
+        torch.zeros(8, dtype=torch.int32)
+    good = dict(x=x, topk_idx=ids, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, num_ranks=2, exact=True)
+    assert inputs.dispatch(**good) is not None
+    for name, value in [("topk_idx", ids.int()), ("topk_idx", ids[:4]), ("topk_idx", ids.t().contiguous().t()),
+                        ("topk_idx", torch.zeros(5, 33, dtype=torch.int64)), ("topk_weights", weights[:, :2]),
+                        ("topk_weights", weights.double()), ("num_tokens_per_rank", per_rank[:1]),
+                        ("num_tokens_per_rank", per_rank.long()), ("is_token_in_rank", in_rank[:, :1]),
+                        ("is_token_in_rank", in_rank.t().contiguous().t()), ("num_tokens_per_expert", per_expert[:7]),
+                        ("num_tokens_per_expert", per_expert[::2]), ("num_tokens_per_expert", per_expert[:0]),
+                        ("num_ranks", 3)]:
+        assert inputs.dispatch(**{**good, name: value}) is None, name
+    assert inputs.dispatch(**{**good, "topk_idx": None}) is None  # weights without ids: the checked path says so
+
+
+def test_normal_inputs_take_tensor_subclasses_only_when_not_exact():
+    class Marked(torch.Tensor):
+        pass
+
+    x = torch.zeros(5, 16, dtype=torch.bfloat16).as_subclass(Marked)
+    assert normal_inputs().payload(x, True) is None
+    assert normal_inputs().payload(x, False)[:3] == (5, 32, x.data_ptr())

@@ -8,28 +8,40 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..output_region import OutputRegion, _from_dlpack
+from ..output_region import OutputRegion
 from ..tuning import MAX_TOPK, Config, output_region_bytes, staging_bytes
+from ..validation import FP8_DTYPE
 from .native_common import NativeBase, OutputGroup, _C, _C_torch, address_of, local_experts, raise_failure
 
 if TYPE_CHECKING:
     from .native import NativeBackend
 
 
+# `_prepare_dispatch`'s top-k of a cached dispatch: (K, ids, has_weights, weights), none.
+_NO_TOPK = (0, 0, False, 0)
+_NOTIFY_WORDS = (((-1,), None, torch.int32),)  # NotifyOutputs' one allocation, an OutputGroup block
+
+
+def _payload(x: torch.Tensor, x_scales: Optional[torch.Tensor]):
+    """A dispatch payload as Buffer.dispatch takes it: x, or (x, x_scales)."""
+    return x if x_scales is None else (x, x_scales)
+
+
 class NotifyOutputs:
     """What notify writes for one dispatch, in one int32 allocation, each part 16-byte aligned:
     send_pos [T, R] (row of token t on rank r, or -1), recv_rank_offsets [R + 1] (first row of each
-    source rank), src_num_tokens [R] (T of every rank) and the received count [1]. One torch.empty
-    instead of four, on the host's path before notify's launch (each costs about 4.5 us on an H100
-    host); the kernels take the parts' addresses, so views are made only where a caller asks."""
+    source rank), src_num_tokens [R] (T of every rank) and the received count [1]. One allocation
+    instead of four, on the host's path before notify's launch (a torch.empty from Python costs about
+    4.5 us on an H100 host); the kernels take the parts' addresses, so views are made only where a
+    caller asks."""
 
     __slots__ = ("words", "num_tokens", "num_ranks", "send_pos_address", "recv_rank_offsets_address",
                  "src_num_tokens_address", "num_recv_address")
 
-    def __init__(self, empty: Callable[..., torch.Tensor], num_tokens: int, num_ranks: int) -> None:
-        """`empty(words, dtype=...)` allocates on the buffer's device."""
+    def __init__(self, words_of: Callable[[int], torch.Tensor], num_tokens: int, num_ranks: int) -> None:
+        """`words_of(n)`: n int32 words on the buffer's device."""
         starts = self.starts(num_tokens, num_ranks)
-        self.words, self.num_tokens, self.num_ranks = empty(starts[4], dtype=torch.int32), num_tokens, num_ranks
+        self.words, self.num_tokens, self.num_ranks = words_of(starts[4]), num_tokens, num_ranks
         base = self.words.data_ptr()
         self.send_pos_address = base if num_tokens > 0 else 0
         self.recv_rank_offsets_address = base + 4 * starts[1]
@@ -166,33 +178,68 @@ class IntranodeMode(NativeBase):
         """The intranode kernels among the ranks of this node: notify, the host's wait for the received
         count (unless `num_worst_tokens`), outputs, dispatch. `is_token_in_rank` is `[T, ranks of the
         node]` and expert ids count from the node's first expert. Returns DeepEP's dispatch outputs."""
-        T, K = is_token_in_rank.size(0), 0 if topk_idx is None else topk_idx.size(1)
         R = is_token_in_rank.size(1)
-        num_experts = num_tokens_per_expert.size(0)
+        read = self._inputs.dispatch(_payload(x, x_scales), topk_idx, topk_weights, None, is_token_in_rank,
+                                     num_tokens_per_expert, R, False)
+        if read is None:
+            raise ValueError("dispatch: the intranode kernels need contiguous x, topk_idx, topk_weights, "
+                             "is_token_in_rank and num_tokens_per_expert on the buffer's GPU")
+        return self._dispatch_read(read, R, is_token_in_rank, expert_alignment, num_worst_tokens, config)
+
+    # ---- the eager fast path of dispatch ----------------------------------------------------------------
+    # Buffer's dispatch without an event, async_finish, allocate_on_comm_stream or num_worst_tokens first
+    # tries these: the tensors' facts read in one binding call (_C_torch.NormalInputs), which returns None
+    # where any is not what the kernels read without a copy, and Buffer's checked path then runs the call.
+    # A None comes before any launch; an error after one is raised (errors.py wraps both as their operation).
+    def unchecked_dispatch(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                           num_tokens_per_expert, expert_alignment, config: Config):
+        """Buffer.dispatch's outputs but the handle's wrapper, or None where the checked path must run."""
+        if self._net is not None or config.num_sms > self._num_device_sms:
+            return None
+        R = self.info.num_ranks
+        read = self._inputs.dispatch(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert, R, True)
+        if read is None:
+            return None
+        return self._dispatch_read(read, R, is_token_in_rank, expert_alignment, 0, config)
+
+    def unchecked_cached_dispatch(self, x, handle: "NativeHandle", config: Config):
+        """Buffer.dispatch's (recv_x, recv_scales) with `handle`, or None where the checked path must run."""
+        if (self._net is not None or config.num_sms > self._num_device_sms or handle.__class__ is not NativeHandle
+                or handle.owner is not self):
+            return None
+        payload = self._inputs.payload(x, True)
+        if payload is None or payload[0] != handle.num_tokens:
+            return None
+        return self._cached_dispatch_read(payload, handle, config)
+
+    def _dispatch_read(self, read: tuple, R: int, is_token_in_rank, expert_alignment, num_worst_tokens,
+                       config: Config):
+        """_node_dispatch on the facts `_inputs.dispatch` read."""
+        payload, (K, topk_idx, has_weights, topk_weights, num_experts, in_rank, per_expert) = read[:8], read[8:]
+        T, row_bytes, num_scales = payload[0], payload[1], payload[4]
         num_local_experts = local_experts(num_experts, R)
-        notify = NotifyOutputs(self._empty, T, R)
+        notify = NotifyOutputs(self._notify_words, T, R)
         host_tag = 0
         if num_worst_tokens == 0:
             self._notify_tag += 1
             host_tag = self._notify_tag
         runtime, stream = self._intranode(), self._stream()
         args = _C.NotifyArgs()
-        args.is_token_in_rank = address_of(is_token_in_rank)
-        args.num_tokens_per_expert = address_of(num_tokens_per_expert)
+        args.is_token_in_rank, args.num_tokens_per_expert = in_rank, per_expert
         # NOTE: without top-k (K = 0) notify reads no id; it still wants an address for T > 0 tokens.
-        args.topk_idx = address_of(topk_idx if topk_idx is not None else is_token_in_rank)
+        args.topk_idx = topk_idx if K > 0 else in_rank
         args.num_tokens, args.num_topk, args.num_experts = T, K, num_experts
         args.expert_alignment, args.num_worst_tokens, args.host_tag = expert_alignment, num_worst_tokens, host_tag
-        args.row_layout = _C.pack_row_layout(x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1),
-                                             K, topk_weights is not None)
+        args.row_layout = _C.pack_row_layout(row_bytes, num_scales, K, has_weights)
         args.send_pos = notify.send_pos_address
         args.recv_rank_offsets = notify.recv_rank_offsets_address
         args.src_num_tokens = notify.src_num_tokens_address
         args.num_recv_tokens = notify.num_recv_address
         runtime.notify(args, stream)
         # While notify runs: everything the dispatch needs but the received count.
-        dispatch = self._prepare_dispatch(x, x_scales, topk_idx, topk_weights, notify, num_local_experts,
-                                          num_worst_tokens, config, stream, with_metadata=True)
+        dispatch = self._prepare_dispatch(payload, (K, topk_idx, has_weights, topk_weights), notify,
+                                          num_local_experts, num_worst_tokens, config, stream, with_metadata=True)
         num_recv = runtime.wait_notify(host_tag, stream) if num_worst_tokens == 0 else None
         rows = num_worst_tokens if num_recv is None else num_recv
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(
@@ -206,45 +253,56 @@ class IntranodeMode(NativeBase):
                               own_runs=dispatch.own_runs)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
 
+    def _notify_words(self, words: int) -> torch.Tensor:
+        """NotifyOutputs' int32 words, allocated in C++: the fast path makes no torch call from Python (under
+        a default-device mode each would pass through it)."""
+        return self._output_group(_NOTIFY_WORDS).empty(words)[0]
+
     def _direct_dispatch_possible(self) -> bool:
         """Whether this intranode dispatch writes straight into the ranks' output regions. Every rank decides
         alike: all have the region (same config) and capture graphs together."""
         return self._outputs is not None and self._net is None and not torch.cuda.is_current_stream_capturing()
 
-    def _prepare_dispatch(self, x, x_scales, topk_idx, topk_weights, notify: NotifyOutputs, num_local_experts,
+    def _prepare_dispatch(self, payload: tuple, topk: tuple, notify: NotifyOutputs, num_local_experts,
                           num_worst_tokens, config: Config, stream: int, with_metadata: bool) -> "PreparedDispatch":
-        """The dispatch of `x` (and its scales, top-k ids and weights) by notify's send_pos, ready but for
-        its row count; its outputs: recv_x and recv_scales, and `with_metadata` also recv_topk_idx,
-        recv_topk_weights and recv_src_idx (a dispatch with notify)."""
-        args = self._dispatch_args(x, x_scales, topk_idx, topk_weights, notify, num_local_experts, num_worst_tokens,
-                                   config)
-        columns = [(x.size(1), x.dtype), None if x_scales is None else (x_scales.size(1), x_scales.dtype)]
-        if with_metadata:
-            K = args.num_topk
-            columns += [None if topk_idx is None else (K, torch.int64),
-                        None if topk_weights is None else (K, torch.float32), (0, torch.int32)]
+        """The dispatch of a payload (`_inputs.payload`'s numbers) and its top-k ids and weights (`topk`:
+        (K, ids, has_weights, weights), K = 0 for none) by notify's send_pos, ready but for its row count;
+        its outputs: recv_x and recv_scales, and `with_metadata` also recv_topk_idx, recv_topk_weights and
+        recv_src_idx (a dispatch with notify)."""
+        args = self._dispatch_args(payload, topk, notify, num_local_experts, num_worst_tokens, config)
+        key = (payload[1], payload[4], payload[7], topk[0], topk[2], with_metadata)
+        shape = self._dispatch_outputs.get(key)
+        if shape is None:
+            shape = self._dispatch_outputs[key] = DispatchOutputs(*key)
         region = self._outputs if self._direct_dispatch_possible() else None
-        return PreparedDispatch(self._intranode(), args, columns, region, stream, self.info.device)
+        return PreparedDispatch(self._intranode(), args, shape, region, stream, self.info.device)
 
     def direct_fell_back(self) -> bool:
         """Whether this rank's last direct dispatch found a rank without room in its output region and
         moved the rows through the rings instead (synchronises with the device; for tests and logs)."""
         return self._intranode().direct_fell_back()
 
-    def _dispatch_args(self, x, x_scales, topk_idx, topk_weights, notify: NotifyOutputs, num_local_experts,
+    def _read_payload(self, x, x_scales) -> tuple:
+        """`_inputs.payload` of checked tensors (x and x_scales contiguous where the kernels need it)."""
+        payload = self._inputs.payload(_payload(x, x_scales), False)
+        if payload is None:
+            raise ValueError("dispatch: the intranode kernels need a contiguous x (and scales of positive strides) "
+                             "on the buffer's GPU")
+        return payload
+
+    def _dispatch_args(self, payload: tuple, topk: tuple, notify: NotifyOutputs, num_local_experts,
                        num_worst_tokens, config: Config):
         """A dispatch's Args, every field but the outputs' addresses (recv_*: 0)."""
+        T, row_bytes, x, scales, num_scales, scale_token_stride, scale_stride, _ = payload
         args = _C.DispatchArgs()
         args.num_channels = config.num_channels
         args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
         args.send_chunk = config.num_max_nvl_chunked_send_tokens
-        args.num_tokens, args.row_bytes = x.size(0), x.size(1) * x.element_size()
-        args.num_scales = 0 if x_scales is None else x_scales.size(1)
-        args.scale_token_stride, args.scale_stride = (0, 0) if x_scales is None else x_scales.stride()
-        args.num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        args.num_tokens, args.row_bytes, args.num_scales = T, row_bytes, num_scales
+        args.scale_token_stride, args.scale_stride = scale_token_stride, scale_stride
+        args.num_topk, args.topk_idx, args.topk_weights = topk[0], topk[1], topk[3]
         args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
-        args.x, args.x_scales = address_of(x), address_of(x_scales)
-        args.topk_idx, args.topk_weights = address_of(topk_idx), address_of(topk_weights)
+        args.x, args.x_scales = x, scales
         args.send_pos, args.num_recv_tokens = notify.send_pos_address, notify.num_recv_address
         return args
 
@@ -252,8 +310,10 @@ class IntranodeMode(NativeBase):
                          recv_topk_idx, recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens,
                          config: Config) -> None:
         """The ring dispatch into outputs the caller allocated (the intranode stage of internode mode)."""
-        args = self._dispatch_args(x, x_scales, topk_idx, topk_weights, notify, num_local_experts, num_worst_tokens,
-                                   config)
+        topk = (0 if topk_idx is None else topk_idx.size(1), address_of(topk_idx), topk_weights is not None,
+                address_of(topk_weights))
+        args = self._dispatch_args(self._read_payload(x, x_scales), topk, notify, num_local_experts,
+                                   num_worst_tokens, config)
         args.recv_x, args.recv_x_scales = address_of(recv_x), address_of(recv_scales)
         args.recv_topk_idx, args.recv_topk_weights = address_of(recv_topk_idx), address_of(recv_topk_weights)
         args.recv_src_idx = address_of(recv_src_idx)
@@ -262,7 +322,11 @@ class IntranodeMode(NativeBase):
 
     def _intranode_cached_dispatch(self, x, x_scales, handle: NativeHandle, config: Config):
         self._check_sms(config)
-        dispatch = self._prepare_dispatch(x, x_scales, None, None, handle.notify, 1, handle.num_worst_tokens, config,
+        return self._cached_dispatch_read(self._read_payload(x, x_scales), handle, config)
+
+    def _cached_dispatch_read(self, payload: tuple, handle: NativeHandle, config: Config):
+        """The cached dispatch of a payload (`_inputs.payload`'s numbers): (recv_x, recv_scales)."""
+        dispatch = self._prepare_dispatch(payload, _NO_TOPK, handle.notify, 1, handle.num_worst_tokens, config,
                                           self._stream(), with_metadata=False)
         recv_x, recv_scales = dispatch.launch(handle.num_recv_rows, own_runs=handle.own_runs)
         self.last_dispatch_path = dispatch.path
@@ -334,38 +398,55 @@ class IntranodeMode(NativeBase):
                                          self._side_stream.cuda_stream)
 
 
-class PreparedDispatch:
-    """An intranode dispatch ready to launch but for its row count: its Args with every field but the
-    outputs, its outputs' columns, its path. `launch(rows)` is all the host does between the received
-    count's arrival and the kernel (the GPU idles meanwhile): allocate the outputs, set their addresses,
-    launch; the outputs get their dtypes after the launch.
+class DispatchOutputs:
+    """The outputs of one kind of dispatch, made once per kind: each output's column ((width, dtype), width
+    0 for a 1-D output, or None where absent) and, for the output region, the two blocks of (index, bytes
+    per row, 2-D): the rows and their scales go back with recv_x, the metadata with the handle. A kind:
+    the payload's row bytes, its scales (count, int32 or float32), the top-k (K, weights or not), and
+    whether the dispatch returns the metadata (a dispatch with notify)."""
 
-    Direct (`region` given): the outputs go into the output region, in two blocks (the rows and their
-    scales go back with recv_x, the metadata with the handle). Where the region has no room they are
-    ordinary tensors, and the direct dispatch falls back to the rings on every rank (the kernels agree
-    on it; no rank raises). Rings (`region` None): ordinary tensors. The copy engine writes this rank's
-    own rows where they form few runs of tokens (`own_runs`: the runtime's answer, kept by the handle).
-    """
-
-    _FIELDS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+    FIELDS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
     _ROWS = 2  # the first two outputs (recv_x, recv_x_scales) form the rows block
 
-    def __init__(self, runtime, args, columns: List[Optional[Tuple[int, torch.dtype]]],
-                 region: Optional[OutputRegion], stream: int, device: torch.device) -> None:
-        # columns[i]: None (output i absent) or (width, dtype), width 0 for a 1-D output.
-        self.runtime, self.args, self.columns, self.region, self.stream = runtime, args, columns, region, stream
-        self.device = device
-        self.fields = self._FIELDS[:len(columns)]
-        self.path = "rings" if region is None else "direct"  # "direct": the direct kernel ran (direct_fell_back)
-        # Each block's outputs as (index, bytes per row, 2-D), for the region's uint8 shapes.
+    def __init__(self, row_bytes: int, num_scales: int, scales_are_int32: bool, num_topk: int, has_weights: bool,
+                 with_metadata: bool) -> None:
+        # NOTE: a payload with scales is FP8 (one byte per element), one without is bf16.
+        rows = (row_bytes, FP8_DTYPE) if num_scales > 0 else (row_bytes // 2, torch.bfloat16)
+        self.columns: List[Optional[Tuple[int, torch.dtype]]] = [
+            rows, (num_scales, torch.int32 if scales_are_int32 else torch.float32) if num_scales > 0 else None]
+        if with_metadata:
+            self.columns += [(num_topk, torch.int64) if num_topk > 0 else None,
+                             (num_topk, torch.float32) if has_weights else None, (0, torch.int32)]
+        self.fields = self.FIELDS[:len(self.columns)]
         self.blocks: List[List[Tuple[int, int, bool]]] = [[], []]
-        for index, column in enumerate(columns):
+        for index, column in enumerate(self.columns):
             if column is not None:
                 width, dtype = column
                 self.blocks[index >= self._ROWS].append((index, max(width, 1) * dtype.itemsize, width > 0))
         if not self.blocks[1]:
             del self.blocks[1]
         self.placed = [output for block in self.blocks for output in block]  # in the order of the capsules
+        self.placed_dtypes = [self.columns[index][1] for index, _, _ in self.placed]
+
+
+class PreparedDispatch:
+    """An intranode dispatch ready to launch but for its row count: its Args with every field but the
+    outputs, its outputs (DispatchOutputs), its path. `launch(rows)` is all the host does between the
+    received count's arrival and the kernel (the GPU idles meanwhile): allocate the outputs, set their
+    addresses, launch; the outputs get their dtypes after the launch.
+
+    Direct (`region` given): the outputs go into the output region, in two blocks. Where the region has
+    no room they are ordinary tensors, and the direct dispatch falls back to the rings on every rank (the
+    kernels agree on it; no rank raises). Rings (`region` None): ordinary tensors. The copy engine writes
+    this rank's own rows where they form few runs of tokens (`own_runs`: the runtime's answer, kept by the
+    handle).
+    """
+
+    def __init__(self, runtime, args, outputs: DispatchOutputs, region: Optional[OutputRegion], stream: int,
+                 device: torch.device) -> None:
+        self.runtime, self.args, self.outputs, self.region, self.stream = runtime, args, outputs, region, stream
+        self.device = device
+        self.path = "rings" if region is None else "direct"  # "direct": the direct kernel ran (direct_fell_back)
         self.own_runs = None
 
     def launch(self, rows: int, own_runs_tag: int = 0, own_runs=None) -> List[Optional[torch.Tensor]]:
@@ -373,12 +454,12 @@ class PreparedDispatch:
         The own rows' runs: those of the notify tagged `own_runs_tag`, or `own_runs` (a cached dispatch)."""
         if self.region is not None:
             # One extension call places every output and sets its address; torch's tensors come after the launch.
-            capsules = self.region.place_direct_outputs(self.args, rows, self.blocks, self.stream)
+            capsules = self.region.place_direct_outputs(self.args, rows, self.outputs.blocks, self.stream)
             if capsules is not None:
                 self.own_runs = self.runtime.direct_dispatch(self.args, rows, True, self.stream, own_runs_tag, own_runs)
                 return self._from_capsules(capsules)
         outputs = self._ordinary(rows)
-        for field, tensor in zip(self.fields, outputs):
+        for field, tensor in zip(self.outputs.fields, outputs):
             setattr(self.args, field, address_of(tensor))
         if self.region is None:
             self.runtime.dispatch(self.args, self.stream)
@@ -387,13 +468,16 @@ class PreparedDispatch:
         return outputs
 
     def _from_capsules(self, capsules: list) -> List[Optional[torch.Tensor]]:
-        outputs: List[Optional[torch.Tensor]] = [None] * len(self.columns)
-        for (index, _, _), capsule in zip(self.placed, capsules):
-            outputs[index] = _from_dlpack(capsule).view(self.columns[index][1])
+        tensors = _C_torch.region_tensors(capsules, self.outputs.placed_dtypes)
+        if tensors.__class__ is tuple:
+            raise_failure(tensors)
+        outputs: List[Optional[torch.Tensor]] = [None] * len(self.outputs.columns)
+        for (index, _, _), tensor in zip(self.outputs.placed, tensors):
+            outputs[index] = tensor
         return outputs
 
     def _ordinary(self, rows: int) -> List[Optional[torch.Tensor]]:
         return [None if column is None else
                 torch.empty(rows, column[0], dtype=column[1], device=self.device) if column[0] else
                 torch.empty(rows, dtype=column[1], device=self.device)
-                for column in self.columns]
+                for column in self.outputs.columns]

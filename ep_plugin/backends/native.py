@@ -16,13 +16,14 @@ import torch.distributed as dist
 
 from ..errors import device_failure, raises_structured_errors, runtimes_of
 from ..output_region import OutputRegion
+from ..tuning import MAX_TOPK
 from .base import GroupInfo
 from .intranode import NativeHandle
 from .internode import (INTERNODE_BY_DEFAULT, NET_WARPS_PER_BLOCK, InternodeHandle, InternodeMode,
                         forwarder_source_nodes, internode_unsupported_reason, network_geometry, source_order,
                         split_ring_slots, _NET_COMBINE, _NET_DISPATCH)
 from .low_latency import LOW_LATENCY_VERIFIED, LowLatencyHandle, LowLatencyMode, low_latency_unsupported_reason
-from .native_common import IMPORT_ERROR, _C
+from .native_common import IMPORT_ERROR, _C, _C_torch
 
 __all__ = ["INTERNODE_BY_DEFAULT", "LOW_LATENCY_VERIFIED", "NET_WARPS_PER_BLOCK", "InternodeHandle", "LowLatencyHandle",
            "NativeBackend", "NativeHandle", "forwarder_source_nodes", "network_geometry", "source_order",
@@ -73,6 +74,8 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self._ll_unchecked_plans = {}
         self._output_groups = {}  # _output_group's
         self._layout_calls = {}  # get_dispatch_layout's fast path: _C_torch.LayoutCalls per expert count
+        self._inputs = _C_torch.NormalInputs(info.device, MAX_TOPK)  # the dispatch's tensors read in C++
+        self._dispatch_outputs = {}  # DispatchOutputs per kind of dispatch (intranode.py)
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0
