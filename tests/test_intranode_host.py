@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from case_runner import assert_case_passed, run_each
 from ep_plugin import Buffer, Config
@@ -371,6 +372,19 @@ def case_dispatch_fast_path(ctx: Ctx) -> None:
         return
     assert taken == [("unchecked_dispatch", True), ("unchecked_cached_dispatch", True),
                      ("unchecked_dispatch", False), ("unchecked_cached_dispatch", False)], taken
+    # Torch calls from Python on the fast path (under a default-device mode each passes through it): only the
+    # address of notify's words.
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        handle = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)[4]
+        buffer.dispatch(x, handle=handle)
+    assert seen == ["data_ptr"], seen
 
 
 CASES = [name for name in globals() if name.startswith("case_")]
