@@ -434,6 +434,28 @@ class NormalInputs {
     });
   }
 
+  // (x, hidden, num_topk, topk_weights) of a combine of `num_rows` rows: x [N, H] bf16 and topk_weights None
+  // (K = 0) or [N, K] float32.
+  pybind11::object combine(pybind11::handle x_object, pybind11::handle weights_object, int64_t num_rows,
+                           bool exact) const {
+    return none_if_thrown([&]() -> pybind11::object {
+      const auto x = tensor_any(x_object, exact);
+      if (!x || x->dim() != 2) return pybind11::none();
+      const int64_t H = x->size(1);
+      if (!is_plain(*x, device_, at::kBFloat16, {num_rows, H}) || (2 * H) % 16 != 0) return pybind11::none();
+      int64_t K = 0;
+      uintptr_t weights = 0;
+      if (!weights_object.is_none()) {
+        const auto given = tensor_any(weights_object, exact);
+        if (!given || given->dim() != 2) return pybind11::none();
+        K = given->size(1);
+        if (K < 1 || K > max_topk_ || !is_plain(*given, device_, at::kFloat, {num_rows, K})) return pybind11::none();
+        weights = address(*given);
+      }
+      return pybind11::make_tuple(address(*x), H, K, weights);
+    });
+  }
+
   // The payload's numbers, then (num_topk, topk_idx, has_weights, topk_weights, num_experts, is_token_in_rank,
   // num_tokens_per_expert) of a dispatch with notify among `num_ranks` ranks; topk_idx and topk_weights may be
   // None (K = 0), and num_tokens_per_rank (then not read).
@@ -622,7 +644,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("topk_weights"), pybind11::arg("num_tokens_per_rank"), pybind11::arg("is_token_in_rank"),
            pybind11::arg("num_tokens_per_expert"), pybind11::arg("num_ranks"), pybind11::arg("exact"),
            "The payload's numbers, then (num_topk, topk_idx, has_weights, topk_weights, num_experts, "
-           "is_token_in_rank, num_tokens_per_expert) of a dispatch with notify, or None.");
+           "is_token_in_rank, num_tokens_per_expert) of a dispatch with notify, or None.")
+      .def("combine", &NormalInputs::combine, pybind11::arg("x"), pybind11::arg("topk_weights"),
+           pybind11::arg("num_rows"), pybind11::arg("exact"),
+           "(x, hidden, num_topk, topk_weights) of a combine of num_rows rows, or None.");
   m.def("region_tensors", &region_tensors, pybind11::arg("capsules"), pybind11::arg("dtypes"),
         "Tensors of `dtypes` over ep_plugin._C's uint8 DLPack capsules of the output region (compact), each "
         "capsule consumed; or a failure.");

@@ -582,7 +582,6 @@ class Buffer:
         """Every rank's send counts (a collective over the group; see `handles.DispatchHandle`)."""
         return all_gather_rows(self.group, row)
 
-    @_without_device_mode
     def combine(self, x: torch.Tensor, handle: object, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -604,6 +603,21 @@ class Buffer:
             combined_topk_weights: `[T, K]` float32 summed the same way, or None.
             event: completion event (meaningful with `async_finish`).
         """
+        fast = self._unchecked_normal
+        if (fast is not None and bias is None and previous_event is None and not async_finish
+                and not allocate_on_comm_stream and handle.__class__ is DispatchHandle and self._plain_call()):
+            combine_config = self._default_config("combine") if config is None else config
+            if combine_config.__class__ is Config:
+                done = fast.unchecked_combine(x, handle.inner, topk_weights, combine_config)
+                if done is not None:
+                    return done[0], done[1], EventOverlap(None)
+        return self._checked_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                     allocate_on_comm_stream)
+
+    @_without_device_mode
+    def _checked_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
+                         allocate_on_comm_stream):
+        """combine with every argument checked in Python (a message naming the one that is wrong)."""
         backend = self._live_backend()
         device = self._device()
         handle = self._check_handle(handle, DispatchHandle)

@@ -215,7 +215,8 @@ def native_errors(runtimes: Iterable[object], operation: str = "") -> Iterator[N
 _BACKEND_OPERATIONS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
                        "low_latency_combine", "clean_low_latency_buffer")
 # Eager fast paths that may fail after their first launch, by the operation their errors name.
-_FAST_PATH_OPERATIONS = {"unchecked_dispatch": "dispatch", "unchecked_cached_dispatch": "cached_dispatch"}
+_FAST_PATH_OPERATIONS = {"unchecked_dispatch": "dispatch", "unchecked_cached_dispatch": "cached_dispatch",
+                         "unchecked_combine": "combine"}
 
 
 def runtimes_of(backend: object) -> list:

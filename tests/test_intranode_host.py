@@ -337,9 +337,10 @@ def case_layout_fast_path(ctx: Ctx) -> None:
 
 
 def case_dispatch_fast_path(ctx: Ctx) -> None:
-    """With the eager fast path open (a GPU buffer's, see host_worker), plain dispatches and cached dispatches
-    take it and the rest do not: an event, async_finish, num_worst_tokens, column-major ids, a handle of
-    another buffer's. Every case above runs with it open as well, checking the same Args."""
+    """With the eager fast path open (a GPU buffer's, see host_worker), plain dispatches, cached dispatches and
+    combines take it and the rest do not: an event, async_finish, num_worst_tokens, column-major ids or
+    weights, a bias, a handle of another buffer's. Every case above runs with it open as well, checking the
+    same Args."""
     backend = ctx.buffers["direct"]._backend
     taken = []
 
@@ -353,13 +354,18 @@ def case_dispatch_fast_path(ctx: Ctx) -> None:
         return call
 
     with mock.patch.object(backend, "unchecked_dispatch", recording("unchecked_dispatch")), \
-            mock.patch.object(backend, "unchecked_cached_dispatch", recording("unchecked_cached_dispatch")):
+            mock.patch.object(backend, "unchecked_cached_dispatch", recording("unchecked_cached_dispatch")), \
+            mock.patch.object(backend, "unchecked_combine", recording("unchecked_combine")):
         x, topk_idx, weights = ctx.inputs(fp8=True, column_major_scales=True)
         buffer = ctx.buffers["direct"]
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        handle = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)[4]
+        _, _, recv_weights, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
         buffer.dispatch(x, handle=handle)
+        expert_out = torch.zeros(ctx.rows, HIDDEN, dtype=torch.bfloat16)
+        buffer.combine(expert_out, handle, recv_weights)
+        buffer.combine(expert_out, handle, recv_weights.t().contiguous().t())
+        buffer.combine(expert_out, handle, bias=torch.zeros(T, HIDDEN, dtype=torch.bfloat16))
         buffer.dispatch(x, topk_idx=topk_idx.t().contiguous().t(), **layout)
         buffer.dispatch(x, topk_idx=topk_idx, async_finish=True, **layout)
         buffer.dispatch(x, topk_idx=topk_idx, previous_event=buffer.capture(), **layout)
@@ -370,8 +376,9 @@ def case_dispatch_fast_path(ctx: Ctx) -> None:
     if not ctx.fast:
         assert taken == [], taken
         return
-    assert taken == [("unchecked_dispatch", True), ("unchecked_cached_dispatch", True),
-                     ("unchecked_dispatch", False), ("unchecked_cached_dispatch", False)], taken
+    assert taken == [("unchecked_dispatch", True), ("unchecked_cached_dispatch", True), ("unchecked_combine", True),
+                     ("unchecked_combine", False), ("unchecked_dispatch", False),
+                     ("unchecked_cached_dispatch", False)], taken
     # Torch calls from Python on the fast path (under a default-device mode each passes through it): only the
     # address of notify's words.
     seen = []

@@ -262,3 +262,16 @@ def test_normal_inputs_take_tensor_subclasses_only_when_not_exact():
     x = torch.zeros(5, 16, dtype=torch.bfloat16).as_subclass(Marked)
     assert normal_inputs().payload(x, True) is None
     assert normal_inputs().payload(x, False)[:3] == (5, 32, x.data_ptr())
+
+
+def test_normal_inputs_read_a_combine_and_refuse_what_the_kernels_cannot_read_as_is():
+    inputs = normal_inputs()
+    x, weights = torch.zeros(6, 16, dtype=torch.bfloat16), torch.zeros(6, 3)
+    assert inputs.combine(x, weights, 6, True) == (x.data_ptr(), 16, 3, weights.data_ptr())
+    assert inputs.combine(x, None, 6, True) == (x.data_ptr(), 16, 0, 0)
+    assert inputs.combine(x[:0], weights[:0], 0, True) == (0, 16, 3, 0)
+    for bad_x, bad_weights in [(x[:5], weights), (x.float(), weights), (x[:, :4], weights),
+                               (x.t().contiguous().t(), None), (x, weights[:5]), (x, weights.double()),
+                               (x, weights.t().contiguous().t()), (x, torch.zeros(6, 33)), (x, weights[:, :0]),
+                               ("x", None)]:
+        assert inputs.combine(bad_x, bad_weights, 6, True) is None

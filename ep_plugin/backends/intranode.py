@@ -334,20 +334,37 @@ class IntranodeMode(NativeBase):
 
     def _intranode_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, config: Config):
         self._check_sms(config)
+        read = self._inputs.combine(x, topk_weights, handle.num_recv_rows, False)
+        if read is None:
+            raise ValueError("combine: the intranode kernels need contiguous x and topk_weights on the buffer's GPU")
+        return self._combine_read(read, handle, bias_0, bias_1, config)
+
+    def unchecked_combine(self, x, handle: "NativeHandle", topk_weights, config: Config):
+        """Buffer.combine's (combined_x, combined_topk_weights) without bias, or None where the checked path must
+        run (having launched nothing); as unchecked_dispatch."""
+        if (self._net is not None or config.num_sms > self._num_device_sms or handle.__class__ is not NativeHandle
+                or handle.owner is not self):
+            return None
+        read = self._inputs.combine(x, topk_weights, handle.num_recv_rows, True)
+        return None if read is None else self._combine_read(read, handle, None, None, config)
+
+    def _combine_read(self, read: tuple, handle: NativeHandle, bias_0, bias_1, config: Config):
+        """_intranode_combine on the facts `_inputs.combine` read: (x, hidden, K, topk_weights)."""
+        hidden, K = read[1], read[2]
         T = handle.num_tokens
-        rows_spec = ((-1, x.size(1)), None, torch.bfloat16)
-        if topk_weights is None:
+        rows_spec = ((-1, hidden), None, torch.bfloat16)
+        if K == 0:
             combined_x, = self._output_group((rows_spec,)).empty(T)
             combined_weights = None
         else:  # two allocations: a caller that keeps only the weights does not keep the rows
-            weights_spec = ((-1, topk_weights.size(1)), None, torch.float32)
-            combined_x, combined_weights = self._output_group((rows_spec,), (weights_spec,)).empty(T)
-        if self._copy_engine_combine_possible(handle, x.size(1)):
-            self._staged_combine(x, handle, topk_weights, bias_0, bias_1, combined_x, combined_weights, config)
+            combined_x, combined_weights = self._output_group((rows_spec,), (((-1, K), None, torch.float32),)).empty(T)
+        outputs = (address_of(bias_0), address_of(bias_1), address_of(combined_x), address_of(combined_weights))
+        if self._copy_engine_combine_possible(handle, hidden):
+            self._staged_combine(read, handle, outputs, config)
             self.last_combine_path = "copy_engine"
-            return combined_x, combined_weights
-        self.last_combine_path = "sm"
-        self._sm_combine(x, topk_weights, handle, bias_0, bias_1, combined_x, combined_weights, config)
+        else:
+            self.last_combine_path = "sm"
+            self._sm_combine_read(read, handle, outputs, config)
         return combined_x, combined_weights
 
     def _sm_combine(self, x, topk_weights, handle: NativeHandle, bias_0, bias_1, combined_x, combined_weights,
@@ -355,18 +372,23 @@ class IntranodeMode(NativeBase):
         """The combine kernel over the rings: `combined_x[t]` ([T, hidden] bf16, T = handle.num_tokens) is
         the sum of the rows of `x` ([rows, hidden] bf16, as dispatched) that came from token t, plus the
         biases; `combined_weights` ([T, K] fp32 or None) the same for `topk_weights`."""
+        read = (address_of(x), x.size(1), 0 if topk_weights is None else topk_weights.size(1), address_of(topk_weights))
+        outputs = (address_of(bias_0), address_of(bias_1), address_of(combined_x), address_of(combined_weights))
+        self._sm_combine_read(read, handle, outputs, config)
+
+    def _sm_combine_read(self, read: tuple, handle: NativeHandle, outputs: tuple, config: Config) -> None:
+        """_sm_combine on addresses: `read` (x, hidden, K, topk_weights), `outputs` (bias_0, bias_1, combined_x,
+        combined_topk_weights)."""
         args = _C.CombineArgs()
         args.num_channels = config.num_channels
         args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
         args.send_chunk = config.num_max_nvl_chunked_send_tokens
-        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
-        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        args.x, args.topk_weights = address_of(x), address_of(topk_weights)
+        args.x, args.hidden, args.num_topk, args.topk_weights = read
+        args.num_tokens = handle.num_tokens
         notify = handle.notify
         args.recv_src_idx, args.recv_rank_offsets = address_of(handle.recv_src_idx), notify.recv_rank_offsets_address
         args.src_num_tokens, args.send_pos = notify.src_num_tokens_address, notify.send_pos_address
-        args.bias_0, args.bias_1 = address_of(bias_0), address_of(bias_1)
-        args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
+        args.bias_0, args.bias_1, args.combined_x, args.combined_topk_weights = outputs
         self._intranode().combine(args, self._stream())
 
     def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
@@ -380,20 +402,18 @@ class IntranodeMode(NativeBase):
                 and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _staged_combine(self, x, handle: NativeHandle, topk_weights, bias_0, bias_1, combined_x, combined_weights,
-                        config: Config) -> None:
+    def _staged_combine(self, read: tuple, handle: NativeHandle, outputs: tuple, config: Config) -> None:
+        """The copy-engine combine on addresses, as _sm_combine_read takes them."""
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.info.device)
         # The reduction uses the config's SMs but leaves one per peer free: each copy stream waits for
         # its owner in a one-thread kernel beside the reduction. The copies use no SM.
         num_sms = min(config.num_sms, self._num_device_sms - (self.info.num_ranks - 1))
         args = _C.StagedReduceArgs()
-        args.num_tokens, args.hidden = handle.num_tokens, x.size(1)
-        args.num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        args.x, args.topk_weights = address_of(x), address_of(topk_weights)
+        args.x, args.hidden, args.num_topk, args.topk_weights = read
+        args.num_tokens = handle.num_tokens
         args.send_pos = handle.notify.send_pos_address
-        args.bias_0, args.bias_1 = address_of(bias_0), address_of(bias_1)
-        args.combined_x, args.combined_topk_weights = address_of(combined_x), address_of(combined_weights)
+        args.bias_0, args.bias_1, args.combined_x, args.combined_topk_weights = outputs
         self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
                                          self._side_stream.cuda_stream)
 
