@@ -20,15 +20,16 @@
 namespace ep_plugin {
 namespace {
 
-// On the VMs here the host takes about 30 us for a cached dispatch on the eager fast path and about 6 us
-// more per cudaMemcpyAsync; an SM stores about 38 GB/s into a peer (docs/design.md, "What 8 SMs can move").
-constexpr double kHostUsPerDispatch = 30.0;
-constexpr double kHostUsPerCopy = 6.0;
+// On the VMs here the host takes about 50 us for a cached dispatch and about 8 us more per cudaMemcpyAsync;
+// an SM stores about 38 GB/s into a peer (docs/design.md, "What 8 SMs can move"). NOTE: figures with a
+// margin: eager calls back to back have no GPU lead to hide more copies in (a budget of 30 and 6 lost there).
+constexpr double kHostUsPerDispatch = 50.0;
+constexpr double kHostUsPerCopy = 8.0;
 constexpr double kPeerBytesPerUsPerSm = 38e3;
 
 // The copies the host can ask for while the SMs write the rows for peers, so that the copies never hold
-// the dispatch (EP2 at 8 SMs: 27 for BF16 rows, so every run, 11 for FP8). The rows from peers stand for
-// the rows to them (the host does not know those), as many in a balanced routing.
+// the dispatch (EP2 at 8 SMs: 17 for BF16 rows, 5 for FP8). The rows from peers stand for the rows to
+// them (the host does not know those), as many in a balanced routing.
 int engine_copy_budget(const intranode::DispatchArgs& args, int64_t peer_rows) {
   const double sm_us = static_cast<double>(peer_rows) * args.row_bytes /
                        (kPeerBytesPerUsPerSm * intranode::direct_dispatch_blocks(args));
