@@ -201,8 +201,8 @@ def longest_runs(runs, engine_runs) -> bool:
 def own_runs_rank(rank: int, R: int, group, cases) -> list:
     """Per (routing, fp8) case: the runs of tokens this rank sends to itself that notify found for the copy
     engine, against those of is_token_in_rank (None: more than kMaxOwnRuns, the SMs copy them); where
-    found, whether the engine took the longest of them (and how many, of how many), and whether the cached dispatch kept
-    them. The outputs themselves are run_case's (the case matrix at 8 SMs)."""
+    found, whether the engine took the longest of them (and how many, of how many), and whether the cached
+    dispatch kept them. The outputs themselves are run_case's (the case matrix at 8 SMs)."""
     native, _ = make_buffers(group, num_sms=8, dispatch_output_bytes=direct_output_bytes(R))
     results = []
     for i, (routing, fp8) in enumerate(cases):
