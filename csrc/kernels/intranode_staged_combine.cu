@@ -334,6 +334,62 @@ __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
   return true;
 }
 
+// A token's top-k weight over its two copies in a 2-rank combine, added in rank order from zero as
+// sum_staged_weights adds them.
+__device__ __forceinline__ float pair_weight_sum(int rank, bool has_own, float own, bool has_staged, float staged) {
+  float sum = 0.f;
+  if (rank == 0 && has_own) sum += own;
+  if (has_staged) sum += staged;
+  if (rank == 1 && has_own) sum += own;
+  return sum;
+}
+
+// The summed top-k weights of a warp's tokens in a 2-rank combine (t = first_token + i * num_warps), a
+// token per lane, once all its rows are summed: every token but those whose staged weights came with
+// their piece (summed beside the row, before the slot is freed). One wait for the other rank's stored
+// weights and all loads in flight at once, where summed token by token they added a latency to each.
+__device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const StagingLayout& layout, const Header* me,
+                                            const SourceState& state, int first_token, int num_warps,
+                                            const WaitSite& site, bool& expired) {
+  const int other = a.rank == 0 ? 1 : 0;
+  const int K = a.num_topk;
+  // Lane `other` knows the other rank's block once any of the warp's tokens had a staged copy.
+  const bool known = shfl(static_cast<int>(state.known), other) != 0;
+  const int base = shfl(state.base, other);
+  const bool stored = known && layout.weights_fit_whole(shfl(state.rows, other), K);
+  if (stored) {
+    const Landing landing{&me->staged_weights_landed[other], a.epoch, 1u, other};
+    Deadline deadline(site);
+    while (!landing.reported() && !(expired = deadline.expired(kWaitStagedRows, other, 1, 0))) {
+    }
+  }
+  if (__any_sync(0xffffffffu, expired)) return;
+  const uint8_t* region = static_cast<const uint8_t*>(a.peer_buffers[a.rank]) + layout.region_offset(a.rank, other);
+  for (int t = first_token + lane_id() * num_warps; t < a.num_tokens; t += 32 * num_warps) {
+    const int own_row = a.send_pos[static_cast<int64_t>(t) * 2 + a.rank];
+    const int staged_pos = a.send_pos[static_cast<int64_t>(t) * 2 + other];
+    if (staged_pos >= 0 && !stored) continue;
+    const float* own = own_row >= 0 && a.topk_weights != nullptr ? a.topk_weights + static_cast<int64_t>(own_row) * K
+                                                                 : nullptr;
+    const float* staged = staged_pos >= 0 ? reinterpret_cast<const float*>(
+                                                region + layout.weights_offset(staged_pos - base, K))
+                                          : nullptr;
+    float* out = a.combined_topk_weights + static_cast<int64_t>(t) * K;
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      float own_values[8], staged_values[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        own_values[j] = own != nullptr && k0 + j < K ? own[k0 + j] : 0.f;
+        staged_values[j] = staged != nullptr && k0 + j < K ? load_staged(staged + k0 + j) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (k0 + j < K)
+          out[k0 + j] = pair_weight_sum(a.rank, own != nullptr, own_values[j], staged != nullptr, staged_values[j]);
+    }
+  }
+}
+
 // Lane r < R: an L2 prefetch of the copy from rank r of the token (own: user memory). Prefetching the
 // warp's next token as well measured slower. Not in a 2-rank combine (kPair), whose bf16x2 sum is bound
 // by memory: there the prefetches slowed the reduction alone (benchmarks/probes/staged_reduce.cu, one
@@ -409,31 +465,26 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
                                     : reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) +
                                                                     static_cast<int64_t>(own_row) * a.hidden * 2);
       const int4* staged_row = staged_pos < 0 ? nullptr : reinterpret_cast<const int4*>(base + layout.row_offset(index));
-      const bool has_weights = a.combined_topk_weights != nullptr && lane < a.num_topk;
+      // Weights stored by the sender's kernel are summed after the warp's last token
+      // (sum_pair_weights_after_rows); those that land with a piece are read here, before its slot is freed.
+      const bool stored = (weights_by_kernel >> other) & 1u;
+      const bool weights_with_row =
+          a.combined_topk_weights != nullptr && lane < a.num_topk && staged_row != nullptr && !stored;
       // The weights' loads go out before the rows' and are summed after them: their latency overlaps.
-      const float* own_weight =
-          has_weights && own != nullptr && a.topk_weights != nullptr
-              ? a.topk_weights + static_cast<int64_t>(own_row) * a.num_topk
-              : nullptr;
+      const float* own_weight = weights_with_row && own != nullptr && a.topk_weights != nullptr
+                                    ? a.topk_weights + static_cast<int64_t>(own_row) * a.num_topk
+                                    : nullptr;
       const float* staged_weight =
-          has_weights && staged_row != nullptr
-              ? reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk))
-              : nullptr;
+          weights_with_row ? reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, a.num_topk))
+                           : nullptr;
       const float own_value = own_weight == nullptr ? 0.f : own_weight[lane];
       float staged_value = staged_weight == nullptr ? 0.f : load_staged(staged_weight + lane);
       sum_own_and_staged(own, staged_row, landing, num_units, out, site, expired);
-      if (has_weights) {
-        const bool stored = (weights_by_kernel >> other) & 1u;
-        if (staged_weight != nullptr && (stored || !landing.known()) && has_unlanded_word(staged_value))
-          staged_value = wait_for_landed(staged_weight + lane,
-                                         stored ? Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}
-                                                : landing, site, expired);
-        // In rank order from zero, as sum_staged_weights adds them.
-        float sum = 0.f;
-        if (a.rank == 0 && own_weight != nullptr) sum += own_value;
-        if (staged_weight != nullptr) sum += staged_value;
-        if (a.rank == 1 && own_weight != nullptr) sum += own_value;
-        a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+      if (weights_with_row) {
+        if (!landing.known() && has_unlanded_word(staged_value))
+          staged_value = wait_for_landed(staged_weight + lane, landing, site, expired);
+        a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] =
+            pair_weight_sum(a.rank, own_weight != nullptr, own_value, true, staged_value);
       }
     } else {
       const int4* src[kMaxNvlPeers];
@@ -474,6 +525,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
     if (piece >= 0 && state.rows > layout.rows_capacity())
       count_summed_row(a, layout, me, state, lane, piece);
   }
+  if constexpr (kPair)
+    if (a.combined_topk_weights != nullptr && !__any_sync(0xffffffffu, expired))
+      sum_pair_weights_after_rows(a, layout, me, state, first_token, num_warps, site, expired);
 }
 
 __global__ void staging_wait_kernel(StagingWaitArgs a) {
