@@ -1,13 +1,13 @@
-// The copy-engine combine's reduction (staged_reduce_kernel, 2 ranks) alone, on one GPU: rank 0's
-// kernel with every staged row already landed, so that it times the owner's sum and nothing of the
-// copy beside it (at 8 SMs the sum, not the copy, bounds the EP2 combine: docs/design.md, "What 8
-// SMs can move"). Both "ranks'" buffers are in this GPU's memory; rank 1 is never run, its words in
-// rank 0's header are set as its kernel and copies would leave them.
+// The copy-engine combine's reduction (staged_reduce_kernel) alone, on one GPU: rank 0's kernel of
+// R ranks (2 unless given) with every staged row already landed, so that it times the owner's sum and
+// nothing of the copy beside it (at 8 SMs the sum, not the copy, bounds the EP2 combine: docs/design.md,
+// "What 8 SMs can move"). Every "rank's" buffer is in this GPU's memory; the peers are never run, their
+// words in rank 0's header are set as their kernels and copies would leave them.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I csrc -I /usr/local/cuda/include/cccl -o /tmp/staged_reduce \
-//     benchmarks/probes/staged_reduce.cu && /tmp/staged_reduce
+//     benchmarks/probes/staged_reduce.cu && /tmp/staged_reduce [ranks]
 //
-// 4096 tokens x 7168 bf16, top-8 of 256 experts (128 per rank), random routing; L2 flushed before each
+// 4096 tokens x 7168 bf16, top-8 of 256 experts (256 / R per rank), random routing; L2 flushed before each
 // round as `ep-plugin bench` does. Checks the outputs (rows and summed weights) against the host's sum
 // first, then prints the median of 9 rounds by SM count beside the bytes it moves.
 #include <cuda_runtime.h>
@@ -47,23 +47,26 @@ float from_bf16(uint16_t h) {
   return f;
 }
 
-// Token t's row in rank 0's own block and in rank 1's block for rank 0 (-1: no copy there).
+// Token t's row in each rank's block for rank 0 (-1: no copy there); block 0 is rank 0's own.
 struct Routing {
-  std::vector<int32_t> send_pos;  // [T, 2]
-  int own_rows = 0, staged_rows = 0;
+  int num_ranks = 2;
+  std::vector<int32_t> send_pos;  // [T, R]
+  std::vector<int> rows;          // [R]: rows of each block
 };
 
-Routing random_routing(std::mt19937& rng) {
+Routing random_routing(std::mt19937& rng, int num_ranks) {
   Routing r;
-  r.send_pos.assign(2 * kTokens, -1);
+  r.num_ranks = num_ranks;
+  r.send_pos.assign(static_cast<size_t>(num_ranks) * kTokens, -1);
+  r.rows.assign(num_ranks, 0);
   std::vector<int> experts(kExperts);
   for (int e = 0; e < kExperts; ++e) experts[e] = e;
   for (int t = 0; t < kTokens; ++t) {
     std::shuffle(experts.begin(), experts.end(), rng);
-    bool on[2] = {false, false};
-    for (int k = 0; k < kTopk; ++k) on[experts[k] / (kExperts / 2)] = true;
-    if (on[0]) r.send_pos[2 * t] = r.own_rows++;
-    if (on[1]) r.send_pos[2 * t + 1] = r.staged_rows++;
+    std::vector<bool> on(num_ranks, false);
+    for (int k = 0; k < kTopk; ++k) on[experts[k] / (kExperts / num_ranks)] = true;
+    for (int q = 0; q < num_ranks; ++q)
+      if (on[q]) r.send_pos[static_cast<size_t>(t) * num_ranks + q] = r.rows[q]++;
   }
   return r;
 }
@@ -85,45 +88,60 @@ std::vector<uint16_t> random_rows(std::mt19937& rng, int rows) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const int R = argc > 1 ? std::atoi(argv[1]) : 2;
+  if (R < 2 || R > kMaxNvlPeers || kExperts % R != 0) {
+    std::printf("usage: staged_reduce [ranks: 2 to %d, dividing %d experts]\n", kMaxNvlPeers, kExperts);
+    return 2;
+  }
   std::mt19937 rng(2026);
-  const Routing routing = random_routing(rng);
-  // Rank 0's combine input: its own rows, then the rows it received from rank 1 (which go back by copy).
-  const int back_rows = routing.staged_rows;  // a balanced routing: as many as it gets
-  const int x_rows = routing.own_rows + back_rows;
+  const Routing routing = random_routing(rng, R);
+  // Rank 0's combine input: its own rows, then the rows it received from each peer (which go back by
+  // copy); a balanced routing: as many from each peer as rank 0 gets from it.
+  int x_rows = 0;
+  for (int q = 0; q < R; ++q) x_rows += routing.rows[q];
   const std::vector<uint16_t> x = random_rows(rng, x_rows);
-  const std::vector<uint16_t> staged = random_rows(rng, routing.staged_rows);
   std::uniform_real_distribution<float> weight(0.f, 1.f);
-  std::vector<float> x_weights(static_cast<size_t>(x_rows) * kTopk), staged_weights(routing.staged_rows * kTopk);
+  std::vector<float> x_weights(static_cast<size_t>(x_rows) * kTopk);
   for (auto& w : x_weights) w = weight(rng);
-  for (auto& w : staged_weights) w = weight(rng);
+  std::vector<std::vector<uint16_t>> staged(R);
+  std::vector<std::vector<float>> staged_weights(R);
+  for (int q = 1; q < R; ++q) {
+    staged[q] = random_rows(rng, routing.rows[q]);
+    staged_weights[q].resize(static_cast<size_t>(routing.rows[q]) * kTopk);
+    for (auto& w : staged_weights[q]) w = weight(rng);
+  }
 
-  // Both ranks' buffers: a header, then a staging area of 8 slots of 512 rows per peer (4096 rows, `auto`).
+  // Every rank's buffer: a header, then a staging area of 8 slots of 512 rows per peer (4096 rows, `auto`).
   const int64_t row_bytes = 2LL * kHidden;
   const int64_t per_peer = 8LL * kStagingRowsPerPiece * (row_bytes + kMaxTopk * 4);
-  const StagingLayout layout = StagingLayout::fit(2, kHeaderBytes, per_peer, row_bytes);
-  void* buffers[2];
+  const int64_t staging_bytes = per_peer * (R - 1);
+  const StagingLayout layout = StagingLayout::fit(R, kHeaderBytes, staging_bytes, row_bytes);
+  std::vector<void*> buffers(R);
   for (auto& b : buffers) {
-    CHECK(cudaMalloc(&b, kHeaderBytes + per_peer));
+    CHECK(cudaMalloc(&b, kHeaderBytes + staging_bytes));
     CHECK(cudaMemset(b, 0, kHeaderBytes));
   }
-  uint8_t* region = static_cast<uint8_t*>(buffers[0]) + layout.region_offset(0, 1);
-  CHECK(cudaMemcpy(region, staged.data(), staged.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(region + layout.weights_offset(0, kTopk), staged_weights.data(), staged_weights.size() * 4,
-                   cudaMemcpyHostToDevice));
+  // Rank 0's header as the peers' kernels and copies would leave it: every row and weight landed.
   static Header words{};
-  words.staged_rows[1] = staged_word(kEpoch, routing.staged_rows);
-  words.staged_base[1] = staged_word(kEpoch, 0);
-  words.staged_landed[1] = staged_word(kEpoch, routing.staged_rows);
-  words.staged_weights_landed[1] = staged_word(kEpoch, 1);
+  for (int q = 1; q < R; ++q) {
+    uint8_t* region = static_cast<uint8_t*>(buffers[0]) + layout.region_offset(0, q);
+    CHECK(cudaMemcpy(region, staged[q].data(), staged[q].size() * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(region + layout.weights_offset(0, kTopk), staged_weights[q].data(), staged_weights[q].size() * 4,
+                     cudaMemcpyHostToDevice));
+    words.staged_rows[q] = staged_word(kEpoch, routing.rows[q]);
+    words.staged_base[q] = staged_word(kEpoch, 0);
+    words.staged_landed[q] = staged_word(kEpoch, routing.rows[q]);
+    words.staged_weights_landed[q] = staged_word(kEpoch, 1);
+  }
   CHECK(cudaMemcpy(buffers[0], &words, sizeof(words), cudaMemcpyHostToDevice));
 
   StagedReduceArgs a{};
-  a.peer_buffers = device_copy(std::vector<void*>{buffers[0], buffers[1]});
+  a.peer_buffers = device_copy(buffers);
   a.rank = 0;
-  a.num_ranks = 2;
+  a.num_ranks = R;
   a.staging_offset = kHeaderBytes;
-  a.staging_bytes = per_peer;
+  a.staging_bytes = staging_bytes;
   a.epoch = kEpoch;
   a.num_tokens = kTokens;
   a.hidden = kHidden;
@@ -135,13 +153,13 @@ int main() {
   CHECK(cudaMalloc(&combined, static_cast<size_t>(kTokens) * row_bytes));
   a.combined_x = combined;
   CHECK(cudaMalloc(&a.combined_topk_weights, kTokens * kTopk * sizeof(float)));
-  a.send_first[0] = 0, a.send_rows[0] = routing.own_rows;
-  a.send_first[1] = routing.own_rows, a.send_rows[1] = back_rows;
+  for (int q = 0, first = 0; q < R; first += routing.rows[q], ++q) a.send_first[q] = first, a.send_rows[q] = routing.rows[q];
   CHECK(cudaMalloc(&a.status, sizeof(DeviceStatus)));
   CHECK(cudaMemset(a.status, 0, sizeof(DeviceStatus)));
   a.timeout_ns = 10'000'000'000ull;
 
-  // Outputs poisoned, one run at 24 SMs, checked: two copies sum in bf16x2 (the exact sum rounded once).
+  // Outputs poisoned, one run at 24 SMs, checked against the copies summed in fp32 in rank order and
+  // rounded once (two copies: their bf16x2 sum is that too).
   CHECK(cudaMemset(combined, 0xee, static_cast<size_t>(kTokens) * row_bytes));
   launch_staged_reduce(a, 24, nullptr);
   CHECK(cudaDeviceSynchronize());
@@ -156,24 +174,25 @@ int main() {
   std::vector<float> out_weights(kTokens * kTopk);
   CHECK(cudaMemcpy(out.data(), combined, out.size() * 2, cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(out_weights.data(), a.combined_topk_weights, out_weights.size() * 4, cudaMemcpyDeviceToHost));
-  long long wrong = 0;
+  long long wrong = 0, copies = 0;
   for (int t = 0; t < kTokens; ++t) {
-    const int own = routing.send_pos[2 * t], stage = routing.send_pos[2 * t + 1];
+    const int32_t* pos = &routing.send_pos[static_cast<size_t>(t) * R];
     for (int h = 0; h < kHidden; ++h) {
-      double sum = 0;
-      if (own >= 0) sum += from_bf16(x[static_cast<size_t>(own) * kHidden + h]);
-      if (stage >= 0) sum += from_bf16(staged[static_cast<size_t>(stage) * kHidden + h]);
-      wrong += out[static_cast<size_t>(t) * kHidden + h] != to_bf16(static_cast<float>(sum));
+      float sum = 0.f;
+      for (int q = 0; q < R; ++q)
+        if (pos[q] >= 0) sum += from_bf16((q == 0 ? x : staged[q])[static_cast<size_t>(pos[q]) * kHidden + h]);
+      wrong += out[static_cast<size_t>(t) * kHidden + h] != to_bf16(sum);
     }
     for (int k = 0; k < kTopk; ++k) {
       float sum = 0.f;
-      if (own >= 0) sum += x_weights[own * kTopk + k];
-      if (stage >= 0) sum += staged_weights[stage * kTopk + k];
+      for (int q = 0; q < R; ++q)
+        if (pos[q] >= 0) sum += (q == 0 ? x_weights : staged_weights[q])[static_cast<size_t>(pos[q]) * kTopk + k];
       wrong += out_weights[t * kTopk + k] != sum;
     }
+    for (int q = 0; q < R; ++q) copies += pos[q] >= 0;
   }
-  std::printf("staged_reduce: %d tokens x %d, own rows %d, staged rows %d; check: %lld wrong values\n", kTokens,
-              kHidden, routing.own_rows, routing.staged_rows, wrong);
+  std::printf("staged_reduce: %d ranks, %d tokens x %d, %lld copies (own %d); check: %lld wrong values\n", R, kTokens,
+              kHidden, copies, routing.rows[0], wrong);
   if (wrong != 0) return 1;
 
   struct One {
@@ -186,8 +205,8 @@ int main() {
   CHECK(cudaEventCreate(&gpu[0].end));
   void* flush;
   CHECK(cudaMalloc(&flush, kFlushBytes));
-  // Bytes of HBM traffic: both copies read, one row written.
-  const double bytes = static_cast<double>(routing.own_rows + routing.staged_rows + kTokens) * row_bytes;
+  // Bytes of HBM traffic: every copy read, one row written.
+  const double bytes = static_cast<double>(copies + kTokens) * row_bytes;
   StagedReduceArgs without_weights = a;
   without_weights.topk_weights = nullptr;
   without_weights.combined_topk_weights = nullptr;
@@ -201,7 +220,7 @@ int main() {
         launch_staged_reduce(weights ? a : without_weights, sms, g.stream);
         CHECK(cudaEventRecord(g.end, g.stream));
       });
-      std::printf("staged_reduce %2d SMs, %-15s %7.1f us  %6.1f GB/s of traffic (%5.1f per SM)\n", sms,
+      std::printf("staged_reduce %d ranks %2d SMs, %-15s %7.1f us  %6.1f GB/s of traffic (%5.1f per SM)\n", R, sms,
                   weights ? "top-k weights" : "no weights", ms * 1e3, bytes / ms / 1e6, bytes / ms / 1e6 / sms);
     }
   }

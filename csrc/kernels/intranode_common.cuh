@@ -19,11 +19,19 @@ __device__ __forceinline__ Header* header_of(void* const* peer_buffers, int rank
 constexpr int kCombineUnroll = 4;
 constexpr int kSourcesInFlight = 2;
 
+// What sum_token_copies does with a peer's units once read, before summing them: nothing where every
+// copy is whole (the rings); the copy-engine combine reads units still landing again (StagedCopiesLanded).
+struct CopiesWhole {
+  __device__ __forceinline__ void operator()(int4 (&)[kCombineUnroll], const int4*, int, int) const {}
+};
+
 // One warp sums a token's copies (src[r] is rank r's copy, or nullptr) in fp32, adds the optional
 // biases and stores the bf16 row. Rank `own`'s copy is user memory, read through the read-only path;
 // the others were written by peers into this rank's buffer and are read from L2.
+template <typename Landed = CopiesWhole>
 __device__ __forceinline__ void sum_token_copies(const int4* const (&src)[kMaxNvlPeers], int own, int num_units,
-                                                 const int4* bias_0, const int4* bias_1, int4* out) {
+                                                 const int4* bias_0, const int4* bias_1, int4* out,
+                                                 const Landed& landed = Landed{}) {
   const int lane = lane_id();
   for (int base = 0; base < num_units; base += 32 * kCombineUnroll) {
     float acc[kCombineUnroll][8] = {};
@@ -39,6 +47,9 @@ __device__ __forceinline__ void sum_token_copies(const int4* const (&src)[kMaxNv
           if (i < num_units) values[s][u] = r0 + s == own ? ld_nc_v4(src[r0 + s] + i) : ld_cg_v4(src[r0 + s] + i);
         }
       }
+#pragma unroll
+      for (int s = 0; s < kSourcesInFlight; ++s)
+        if (src[r0 + s] != nullptr && r0 + s != own) landed(values[s], src[r0 + s], r0 + s, base);
 #pragma unroll
       for (int s = 0; s < kSourcesInFlight; ++s) {
         if (src[r0 + s] == nullptr) continue;

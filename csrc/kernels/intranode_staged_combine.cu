@@ -69,13 +69,6 @@ __device__ __forceinline__ T wait_for_landed(const T* at, Landing landing, const
   }
 }
 
-// One warp waits until every unit of a staged row has landed (the general path reads the row again to sum it).
-__device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Landing landing, const WaitSite& site,
-                                             bool& expired) {
-  for (int i = lane_id(); i < num_units && !expired; i += 32)
-    if (has_unlanded_word(load_staged(row + i))) wait_for_landed(row + i, landing, site, expired);
-}
-
 // The sum of a 2-rank combine without bias: a token's own copy (user memory) and its staged copy,
 // either may be absent. With no fp32 accumulator array to keep, a lane holds kPairUnroll units of
 // both copies in flight, twice sum_token_copies' bytes; two copies sum to the same value in either
@@ -84,41 +77,40 @@ __device__ __forceinline__ void wait_for_row(const int4* row, int num_units, Lan
 // made the kernel spill registers.
 constexpr int kPairUnroll = 8;
 
-// A lane's units of a row: base + u * 32 + lane for u < kPairUnroll. kWhole: all of them are in the row
+// A lane's units of a row: base + u * 32 + lane for u < kUnroll. kWhole: all of them are in the row
 // (every chunk but a row's last), so no unit needs a bounds check.
 template <bool kWhole>
 __device__ __forceinline__ bool in_row(int base, int u, int num_units) {
   return kWhole || base + u * 32 + lane_id() < num_units;
 }
 
-template <bool kWhole>
-__device__ __forceinline__ void read_units(int4 (&units)[kPairUnroll], const int4* row, int base, int num_units,
+template <bool kWhole, int kUnroll>
+__device__ __forceinline__ void read_units(int4 (&units)[kUnroll], const int4* row, int base, int num_units,
                                            bool staged) {
   const int lane = lane_id();
 #pragma unroll
-  for (int u = 0; u < kPairUnroll; ++u)
+  for (int u = 0; u < kUnroll; ++u)
     if (in_row<kWhole>(base, u, num_units))
       units[u] = staged ? load_staged(row + base + u * 32 + lane) : ld_nc_v4(row + base + u * 32 + lane);
 }
 
-template <bool kWhole>
-__device__ __forceinline__ bool has_unlanded_unit(const int4 (&units)[kPairUnroll], int base, int num_units) {
+template <bool kWhole, int kUnroll>
+__device__ __forceinline__ bool has_unlanded_unit(const int4 (&units)[kUnroll], int base, int num_units) {
   bool unlanded = false;
 #pragma unroll
-  for (int u = 0; u < kPairUnroll; ++u)
+  for (int u = 0; u < kUnroll; ++u)
     if (in_row<kWhole>(base, u, num_units)) unlanded = unlanded || has_unlanded_word(units[u]);
   return unlanded;
 }
 
-// Reads the lane's units of a staged row; reads them again, all at once, until none is unlanded or the
-// row is reported landed (if the wait expires: sets `expired`).
+// Given the lane's units of a staged row as read, reads them again, all at once, until none is
+// unlanded or the row is reported landed (if the wait expires: sets `expired`).
 // NOTE: the re-reads go out together: waited for one by one, a lane that met a row as it landed paid a
 // round trip per unit (EP2 at 8 SMs: 305.5 against 317.4 us).
-template <bool kWhole>
-__device__ __forceinline__ void read_landed_units(int4 (&units)[kPairUnroll], const int4* staged, int base,
-                                                  int num_units, Landing landing, const WaitSite& site,
-                                                  bool& expired) {
-  read_units<kWhole>(units, staged, base, num_units, true);
+template <bool kWhole, int kUnroll>
+__device__ __forceinline__ void wait_for_landed_units(int4 (&units)[kUnroll], const int4* staged, int base,
+                                                      int num_units, Landing landing, const WaitSite& site,
+                                                      bool& expired) {
   if (landing.known() || !has_unlanded_unit<kWhole>(units, base, num_units)) return;
   Deadline deadline(site);
   while (!deadline.expired(kWaitStagedRows, landing.source, landing.count, 0)) {
@@ -129,6 +121,33 @@ __device__ __forceinline__ void read_landed_units(int4 (&units)[kPairUnroll], co
   }
   expired = true;
 }
+
+template <bool kWhole>
+__device__ __forceinline__ void read_landed_units(int4 (&units)[kPairUnroll], const int4* staged, int base,
+                                                  int num_units, Landing landing, const WaitSite& site,
+                                                  bool& expired) {
+  read_units<kWhole>(units, staged, base, num_units, true);
+  wait_for_landed_units<kWhole>(units, staged, base, num_units, landing, site, expired);
+}
+
+// sum_token_copies' look at a staged copy's units once read (3-8 ranks): a copy may still be landing
+// (see kUnlandedWord), so its units are read again until they have, all of a batch at once. Checked
+// row by row before the sum, each lane waited one round trip per unit of every staged copy.
+struct StagedCopiesLanded {
+  uint32_t unlanded;  // lane s: the landed count that reports source s's copy, 0 when known landed
+  const StagedReduceArgs* args;
+  const Header* me;
+  int num_units;
+  const WaitSite* site;
+  bool* expired;
+
+  __device__ __forceinline__ void operator()(int4 (&units)[kCombineUnroll], const int4* row, int source,
+                                             int base) const {
+    const uint32_t count = shfl(unlanded, source);
+    if (count != 0)
+      wait_for_landed_units<false>(units, row, base, num_units, landing_of(*args, me, source, count), *site, *expired);
+  }
+};
 
 // Which copies a token of a 2-rank combine has (none: a token sent to no rank sums to zeros).
 enum class PairCopies { kNone, kOwn, kStaged, kBoth };
@@ -512,12 +531,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
         const float sum = sum_staged_weights(a, me, src_weights, unlanded_of, weights_by_kernel, site, expired);
         if (lane < a.num_topk) a.combined_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
       }
-#pragma unroll
-      for (int r = 0; r < kMaxNvlPeers; ++r)
-        if (r != a.rank && src[r] != nullptr && unlanded_of[r] != 0)
-          wait_for_row(src[r], num_units, landing_of(a, me, r, unlanded_of[r]), site, expired);
       sum_token_copies(src, a.rank, num_units, bias_0 == nullptr ? nullptr : bias_0 + row_units,
-                       bias_1 == nullptr ? nullptr : bias_1 + row_units, out);
+                       bias_1 == nullptr ? nullptr : bias_1 + row_units, out,
+                       StagedCopiesLanded{unlanded, &a, me, num_units, &site, &expired});
     }
     __syncwarp();
     // NOTE: with every row of the source in the first round of slots no slot is reused, so nobody
