@@ -446,10 +446,9 @@ class NormalInputs {
       int64_t K = 0;
       uintptr_t weights = 0;
       if (!weights_object.is_none()) {
-        const auto given = tensor_any(weights_object, exact);
-        if (!given || given->dim() != 2) return pybind11::none();
+        const auto given = topk_columns(weights_object, num_rows, at::kFloat, exact);
+        if (!given) return pybind11::none();
         K = given->size(1);
-        if (K < 1 || K > max_topk_ || !is_plain(*given, device_, at::kFloat, {num_rows, K})) return pybind11::none();
         weights = address(*given);
       }
       return pybind11::make_tuple(address(*x), H, K, weights);
@@ -482,10 +481,9 @@ class NormalInputs {
       uintptr_t topk_idx = 0, topk_weights = 0;
       bool has_weights = false;
       if (!topk_idx_object.is_none()) {
-        const auto ids = tensor_any(topk_idx_object, exact);
-        if (!ids || ids->dim() != 2) return pybind11::none();
+        const auto ids = topk_columns(topk_idx_object, T, at::kLong, exact);
+        if (!ids) return pybind11::none();
         K = ids->size(1);
-        if (K < 1 || K > max_topk_ || !is_plain(*ids, device_, at::kLong, {T, K})) return pybind11::none();
         topk_idx = address(*ids);
         if (!topk_weights_object.is_none()) {
           const auto weights = tensor_any(topk_weights_object, exact);
@@ -519,6 +517,15 @@ class NormalInputs {
   // A tensor's address as the kernels take it (0 for an empty tensor, as address_of in Python).
   static uintptr_t address(const at::Tensor& tensor) {
     return tensor.numel() == 0 ? 0 : reinterpret_cast<uintptr_t>(tensor.data_ptr());
+  }
+
+  // A plain [rows, K] tensor of `dtype` on this device with 1 <= K <= max_topk (top-k ids or weights).
+  std::optional<at::Tensor> topk_columns(pybind11::handle object, int64_t rows, at::ScalarType dtype, bool exact) const {
+    const auto tensor = tensor_any(object, exact);
+    if (!tensor || tensor->dim() != 2) return std::nullopt;
+    const int64_t K = tensor->size(1);
+    if (K < 1 || K > max_topk_ || !is_plain(*tensor, device_, dtype, {rows, K})) return std::nullopt;
+    return tensor;
   }
 
   std::optional<Payload> read_payload(pybind11::handle x, bool exact) const {
