@@ -11,10 +11,10 @@
 // into the peer's output in runs of tokens (engine_direct_row), and that path for the longest runs of
 // a random 2-rank routing beside SMs copying the other rows (engine_hybrid_row; `hybrid`: these rows
 // only); ", batch": the engine's copies in one cudaMemcpyBatchAsync call. `sum` times a 2-rank
-// combine's sum (in fp32 or bf16 pairs, with L2 as the last round left it or flushed; with the combine's
-// per-token steps added one by one; alone, and beside both GPUs' engines copying); `landing` prints when
-// each row of one engine copy lands in the peer, watched by one thread per row spinning or pausing 1 us
-// between reads.
+// combine's sum (in fp32 or bf16 pairs, or the staged row added onto the own row by bf16x2 reductions in L2;
+// with L2 as the last round left it or flushed; with the combine's per-token steps added one by one; alone,
+// and beside both GPUs' engines copying); `landing` prints when each row of one engine copy lands in the
+// peer, watched by one thread per row spinning or pausing 1 us between reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -120,7 +120,14 @@ __global__ void __launch_bounds__(1024, 1) bulk_rows(uint8_t* dst0, uint8_t* dst
 // A 2-rank combine's sum: out = a + b row by row (bf16, summed in fp32 or, kBf16x2, in bf16 pairs as the
 // copy-engine combine does), a lane holding kUnroll units of both rows in flight; b is local or the
 // peer's rows read across NVLink.
-template <int kUnroll, int kMaxThreads, bool kBf16x2 = false>
+// kAdd: out += b instead (the own row already in `out`): a 16-byte bf16x2 reduction that L2 applies.
+__device__ __forceinline__ void red_add_bf16x8(int4* to, int4 v) {
+  asm volatile("red.relaxed.gpu.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+template <int kUnroll, int kMaxThreads, bool kBf16x2 = false, bool kAdd = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const int4* a, const int4* b) {
   constexpr int kUnits = kRowBytes / 16;
   const int lane = threadIdx.x & 31;
@@ -133,13 +140,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) reduce_rows(int4* out, const i
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (i >= kUnits) continue;
-        x[u] = ld_nc_v4(a + first + i);
+        if constexpr (!kAdd) x[u] = ld_nc_v4(a + first + i);
         y[u] = ld_nc_v4(b + first + i);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (i >= kUnits) continue;
+        if constexpr (kAdd) {
+          red_add_bf16x8(out + first + i, y[u]);
+          continue;
+        }
         if constexpr (kBf16x2) {
           st_na_v4(out + first + i, sum_bf16x8(x[u], y[u]));
           continue;
@@ -167,7 +178,9 @@ struct StepInputs {
   float* out_weights;
 };
 
-template <int kSteps>
+// Step 2's parts (kCheck): 0, as above; 1, read through L2 only, unchecked; 2, read as read-only input
+// (no L1 allocation) and checked.
+template <int kSteps, int kCheck = 0>
 __global__ void __launch_bounds__(512, 1) reduce_steps(int4* out, const int4* a, const int4* b, StepInputs in) {
   constexpr int kUnits = kRowBytes / 16;
   constexpr int kUnroll = 8;
@@ -210,8 +223,8 @@ __global__ void __launch_bounds__(512, 1) reduce_steps(int4* out, const int4* a,
         const int i = base + u * 32 + lane;
         if (i >= kUnits) continue;
         if constexpr (kSteps >= 2) {
-          u1[u] = ld_cg_v4(y + i);
-          unlanded = unlanded || u1[u].x == -1 || u1[u].y == -1 || u1[u].z == -1 || u1[u].w == -1;
+          u1[u] = kCheck == 2 ? ld_nc_v4(y + i) : ld_cg_v4(y + i);
+          if (kCheck != 1) unlanded = unlanded || u1[u].x == -1 || u1[u].y == -1 || u1[u].z == -1 || u1[u].w == -1;
         } else {
           u1[u] = ld_nc_v4(y + i);
         }
@@ -581,18 +594,18 @@ void hybrid_rows() {
 
 // The sum's rate: GB/s of output rows (each reads two rows and writes one); `flush_l2`: with L2 overwritten
 // before each round, so that both rows come from HBM.
-template <int kUnroll, int kThreads, bool kBf16x2 = false>
+template <int kUnroll, int kThreads, bool kBf16x2 = false, bool kAdd = false>
 void reduce_table(bool flush_l2 = false) {
   char mover[64];
-  std::snprintf(mover, sizeof(mover), "sum%s registers %4d x %2d%s", kBf16x2 ? " bf16x2" : "", kThreads, kUnroll,
-                flush_l2 ? ", L2 flushed" : "");
+  std::snprintf(mover, sizeof(mover), "sum%s registers %4d x %2d%s", kAdd ? " red.add" : kBf16x2 ? " bf16x2" : "",
+                kThreads, kUnroll, flush_l2 ? ", L2 flushed" : "");
   for (bool remote : {false, true}) {
     if (remote && gpus.size() < 2) continue;
     std::printf("%-40s %-18s", mover, remote ? "own + peer's row" : "two local rows");
     for (int sms : {1, 2, 4, 8, 16}) {
       const double round = seconds([&](Gpu& g) {
         const uint8_t* b = remote ? gpus[1 - g.id].src : g.inbox;
-        reduce_rows<kUnroll, kThreads, kBf16x2><<<sms, kThreads, 0, g.stream>>>(
+        reduce_rows<kUnroll, kThreads, kBf16x2, kAdd><<<sms, kThreads, 0, g.stream>>>(
             reinterpret_cast<int4*>(g.out), reinterpret_cast<const int4*>(g.src), reinterpret_cast<const int4*>(b));
       }, flush_l2);
       std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
@@ -603,15 +616,16 @@ void reduce_table(bool flush_l2 = false) {
 }
 
 // The combine's per-token path, step by step (reduce_steps), two local rows, L2 flushed before each round.
-template <int kSteps>
+template <int kSteps, int kCheck = 0>
 void reduce_steps_row(const StepInputs (&inputs)[2]) {
   static const char* const kNames[] = {"bf16x2 sum", "+ positions", "+ landed check", "+ weights", "+ L2 prefetch"};
-  std::printf("%-40s %-18s", "sum steps 512 x 8, L2 flushed", kNames[kSteps]);
+  static const char* const kChecks[] = {"", " (L2 only, unchecked)", " (read-only, checked)"};
+  std::printf("%-40s %-18s%s", "sum steps 512 x 8, L2 flushed", kNames[kSteps], kChecks[kCheck]);
   for (int sms : {8, 16, 24}) {
     const double round = seconds([&](Gpu& g) {
-      reduce_steps<kSteps><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.out),
-                                                      reinterpret_cast<const int4*>(g.src),
-                                                      reinterpret_cast<const int4*>(g.inbox), inputs[g.id]);
+      reduce_steps<kSteps, kCheck><<<sms, 512, 0, g.stream>>>(reinterpret_cast<int4*>(g.out),
+                                                              reinterpret_cast<const int4*>(g.src),
+                                                              reinterpret_cast<const int4*>(g.inbox), inputs[g.id]);
     }, true);
     std::printf("  %2d SMs %6.1f (%5.1f us)", sms, static_cast<double>(kRows) * kRowBytes / round / 1e9, round * 1e6);
   }
@@ -637,6 +651,8 @@ void reduce_steps_table() {
   reduce_steps_row<0>(inputs);
   reduce_steps_row<1>(inputs);
   reduce_steps_row<2>(inputs);
+  reduce_steps_row<2, 1>(inputs);
+  reduce_steps_row<2, 2>(inputs);
   reduce_steps_row<3>(inputs);
   reduce_steps_row<4>(inputs);
   for (Gpu& g : gpus) {
@@ -799,6 +815,7 @@ int main(int argc, char** argv) {
     reduce_table<8, 512>(true);
     reduce_table<8, 512, true>();
     reduce_table<8, 512, true>(true);
+    reduce_table<8, 512, true, true>(true);
     reduce_steps_table();
     if (gpus.size() < 2) return 0;
     reduce_beside_engine_table<8, 512>();

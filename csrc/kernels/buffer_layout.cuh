@@ -98,7 +98,12 @@ struct Header {
   uint32_t direct_fell_back;  // 1: the last direct dispatch found a rank without room; the ring kernel runs
   uint32_t direct_next_chunk;  // chunks of tokens the direct dispatch's warps have claimed in this call
   uint32_t staged_rows_done[kMaxNvlPeers][kMaxStagingSlots];  // [src][slot]: rows of the piece reduced so far
-  uint32_t weights_blocks_done[kMaxNvlPeers];  // [dst]: blocks of this rank's reduction past their share of dst's weights
+  // The copy-engine combine's reduction: work its warps claim, so that no block's absence holds the rest.
+  uint32_t staged_next_token;                  // tokens claimed for summing
+  uint32_t staged_next_weights_token;          // tokens claimed for the weights summed after the rows (2 ranks)
+  uint32_t weights_next_chunk[kMaxNvlPeers];   // [dst]: chunks of this rank's weights for dst claimed
+  uint32_t weights_chunks_done[kMaxNvlPeers];  // [dst]: those stored
+  uint32_t staged_blocks_done;                 // blocks of the reduction past their work (the last resets the above)
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header outgrew kHeaderBytes");
 

@@ -5,12 +5,13 @@
 // per owner; after each copy a signal stream counts the rows landed in o's header (staged_combine.cu). No
 // SM moves a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
 // (send_to_owners: the words that tell o where its rows are, and its top-k weights) and then, as
-// owner, takes tokens in order warp by warp, sums each token's staged copies with its own copy as
+// owner, has its warps claim tokens in order, sums each token's staged copies with its own copy as
 // they land (see kUnlandedWord), and frees a piece's staging slot for its sender once every row of
-// it is summed. After the kernel, the host refills the area with unlanded bytes and then tells every
-// sender that o has released it. Every progress word is written where its waiter polls it, so no
-// wait reads across NVLink. A wait that expires (Deadline::expired) sets its lane's `expired`: the
-// warp then ends its tokens, the outputs undefined; a block whose sender side fails ends at once.
+// it is summed. The last block out resets the claim counters. After the kernel, the host refills the
+// area with unlanded bytes and then tells every sender that o has released it. Every progress word is
+// written where its waiter polls it, so no wait reads across NVLink. A wait that expires
+// (Deadline::expired) sets its lane's `expired`: the warp then ends its tokens, the outputs undefined; a
+// block whose sender side fails ends at once.
 #include "../common/exception.cuh"
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -292,31 +293,44 @@ __device__ __forceinline__ float sum_staged_weights(const StagedReduceArgs& a, c
   return sum;
 }
 
-// The grid copies `count` floats, each warp a share of 16-byte units with its loads in flight before its
-// stores, where both ends are 16-byte aligned (top-k 8); else float by float.
-// NOTE: a loop of single floats waits one memory latency per float (8 in a row per thread at 8 SMs)
-// before its block sums a token: the reduction alone took 221.7-222.1 against 217.4-218.3 us at 8 SMs
-// (benchmarks/probes/staged_reduce.cu, one H200).
-__device__ __forceinline__ void grid_copy_floats(float* to, const float* from, int64_t count) {
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) & 15) == 0) {
-    const int64_t units = count / 4, warps = threads / 32;
-    const int64_t per_warp = (units + warps - 1) / warps, first = thread / 32 * per_warp;
-    if (first < units)
-      warp_copy_units<Load::kReadOnly>(reinterpret_cast<int4*>(to) + first, reinterpret_cast<const int4*>(from) + first,
-                                       min(per_warp, units - first));
-    done = units * 4;
-  }
-  for (int64_t i = done + thread; i < count; i += threads) to[i] = from[i];
+// Floats of top-k weights a warp claims at a time (sender side).
+constexpr int kWeightsChunk = 1024;
+
+// Lane 0 claims the next `step` items of `counter` for its warp; every lane gets the first.
+__device__ __forceinline__ uint32_t claim_next(uint32_t* counter, uint32_t step = 1) {
+  uint32_t claimed = 0;
+  if (lane_id() == 0) claimed = atomicAdd(counter, step);
+  return shfl(claimed, 0);
 }
 
-// The sender's side of a combine in its reduction kernel: for each owner,
-// once the owner has released its staging area (its reads of the previous combine are over), block 0 tells
-// it where this rank's rows start and how many there are, and every block stores its share of the top-k
-// weights for it; the last block done sets the owner's weights-landed word. The weights then need no copy
-// of their own ahead of the rows on the copy stream.
+// One warp copies a chunk of at most kWeightsChunk floats: 16-byte units, a lane's loads in flight before
+// its stores, where both ends are 16-byte aligned (top-k 8); else float by float.
+// NOTE: a loop of single floats waits one memory latency per float before its warp sums a token: the
+// reduction alone took 221.7-222.1 against 217.4-218.3 us at 8 SMs (benchmarks/probes/staged_reduce.cu, one H200).
+__device__ __forceinline__ void warp_copy_chunk(float* to, const float* from, int count) {
+  constexpr int kUnitsPerLane = kWeightsChunk / 4 / 32;
+  const int lane = lane_id();
+  int done = 0;
+  if (((reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) & 15) == 0) {
+    const int units = count / 4;
+    int4 values[kUnitsPerLane];
+#pragma unroll
+    for (int j = 0; j < kUnitsPerLane; ++j)
+      if (lane + 32 * j < units) values[j] = ld_nc_v4(reinterpret_cast<const int4*>(from) + lane + 32 * j);
+#pragma unroll
+    for (int j = 0; j < kUnitsPerLane; ++j)
+      if (lane + 32 * j < units) reinterpret_cast<int4*>(to)[lane + 32 * j] = values[j];
+    done = units * 4;
+  }
+  for (int i = done + lane; i < count; i += 32) to[i] = from[i];
+}
+
+// The sender's side of a combine in its reduction kernel: for each owner, once the owner has released
+// its staging area (its reads of the previous combine are over), every block tells it where this rank's
+// rows start and how many there are (the same words: whichever block runs first), and the warps store
+// the top-k weights for it in claimed chunks; whoever stores the last chunk sets the owner's
+// weights-landed word. The weights then need no copy of their own ahead of the rows on the copy stream,
+// and no block waits for another (under MPS or beside other kernels, not every block may be resident).
 // False (in every thread of the block) on an error: an earlier kernel of this rank failed, or a wait expired.
 __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
                                const WaitSite& site) {
@@ -332,7 +346,7 @@ __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
     }
     if (__syncthreads_or(failed)) return false;
     Header* theirs = header_of(a.peer_buffers, owner);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       st_release_sys(&theirs->staged_rows[a.rank], staged_word(a.epoch, static_cast<uint32_t>(rows)));
       st_release_sys(&theirs->staged_base[a.rank], staged_word(a.epoch, static_cast<uint32_t>(a.send_first[owner])));
     }
@@ -340,14 +354,19 @@ __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
     float* to = reinterpret_cast<float*>(static_cast<uint8_t*>(a.peer_buffers[owner]) +
                                          layout.region_offset(owner, a.rank) + layout.weights_offset(0, a.num_topk));
     const float* from = a.topk_weights + static_cast<int64_t>(a.send_first[owner]) * a.num_topk;
-    grid_copy_floats(to, from, static_cast<int64_t>(rows) * a.num_topk);
-    // NOTE: every thread's stores are visible before its block is counted; the last block then publishes.
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&me->weights_blocks_done[owner], 1u) + 1u == gridDim.x) {
-      me->weights_blocks_done[owner] = 0;
+    const int64_t count = static_cast<int64_t>(rows) * a.num_topk;
+    const uint32_t chunks = static_cast<uint32_t>((count + kWeightsChunk - 1) / kWeightsChunk);
+    for (uint32_t chunk; (chunk = claim_next(&me->weights_next_chunk[owner])) < chunks;) {
+      const int64_t first = static_cast<int64_t>(chunk) * kWeightsChunk;
+      warp_copy_chunk(to + first, from + first, static_cast<int>(min(static_cast<int64_t>(kWeightsChunk), count - first)));
+      // NOTE: every lane's stores are visible before the chunk is counted; the last one then publishes.
       __threadfence_system();
-      st_release_sys(&theirs->staged_weights_landed[a.rank], staged_word(a.epoch, 1));
+      __syncwarp();
+      if (lane_id() == 0 && atomicAdd(&me->weights_chunks_done[owner], 1u) + 1u == chunks) {
+        me->weights_chunks_done[owner] = 0;
+        __threadfence_system();
+        st_release_sys(&theirs->staged_weights_landed[a.rank], staged_word(a.epoch, 1));
+      }
     }
   }
   return true;
@@ -363,19 +382,56 @@ __device__ __forceinline__ float pair_weight_sum(int rank, bool has_own, float o
   return sum;
 }
 
-// The summed top-k weights of a warp's tokens in a 2-rank combine (t = first_token + i * num_warps), a
-// token per lane, once all its rows are summed: every token but those whose staged weights came with
-// their piece (summed beside the row, before the slot is freed). One wait for the other rank's stored
-// weights and all loads in flight at once, where summed token by token they added a latency to each.
-__device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const StagingLayout& layout, const Header* me,
-                                            const SourceState& state, int first_token, int num_warps,
-                                            const WaitSite& site, bool& expired) {
+// Token t's summed top-k weights in a 2-rank combine (sum_pair_weights_after_rows): `stored` says whether
+// the other rank's weights were stored by its kernel; if not, they came with the row and are summed there.
+__device__ __forceinline__ void sum_pair_weights_of_token(const StagedReduceArgs& a, const StagingLayout& layout,
+                                                          const uint8_t* region, int base, bool stored, int t) {
   const int other = a.rank == 0 ? 1 : 0;
   const int K = a.num_topk;
-  // Lane `other` knows the other rank's block once any of the warp's tokens had a staged copy.
-  const bool known = shfl(static_cast<int>(state.known), other) != 0;
+  const int own_row = a.send_pos[static_cast<int64_t>(t) * 2 + a.rank];
+  const int staged_pos = a.send_pos[static_cast<int64_t>(t) * 2 + other];
+  if (staged_pos >= 0 && !stored) return;
+  const float* own = own_row >= 0 && a.topk_weights != nullptr ? a.topk_weights + static_cast<int64_t>(own_row) * K
+                                                               : nullptr;
+  const float* staged = staged_pos >= 0 ? reinterpret_cast<const float*>(
+                                              region + layout.weights_offset(staged_pos - base, K))
+                                        : nullptr;
+  float* out = a.combined_topk_weights + static_cast<int64_t>(t) * K;
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    float own_values[8], staged_values[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      own_values[j] = own != nullptr && k0 + j < K ? own[k0 + j] : 0.f;
+      staged_values[j] = staged != nullptr && k0 + j < K ? load_staged(staged + k0 + j) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (k0 + j < K)
+        out[k0 + j] = pair_weight_sum(a.rank, own != nullptr, own_values[j], staged != nullptr, staged_values[j]);
+  }
+}
+
+// The summed top-k weights of a 2-rank combine once the warp's rows are summed, 32 claimed tokens at a
+// time, a token per lane: every token but those whose staged weights came with their piece (summed beside
+// the row, before the slot is freed). One wait for the other rank's stored weights and all loads in flight
+// at once, where summed token by token they added a latency to each.
+__device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const StagingLayout& layout, Header* me,
+                                            SourceState state, const WaitSite& site, bool& expired) {
+  const int other = a.rank == 0 ? 1 : 0;
+  const int K = a.num_topk;
+  // Lane `other` learns the other rank's block, if none of the warp's tokens had a staged copy.
+  if (lane_id() == other && !state.known) {
+    uint32_t rows, base;
+    expired = !wait_for_epoch(&me->staged_rows[other], a.epoch, other, kWaitStagedRows, site, rows) ||
+              !wait_for_epoch(&me->staged_base[other], a.epoch, other, kWaitStagedRows, site, base);
+    state.rows = static_cast<int>(rows);
+    state.base = static_cast<int>(base);
+  }
+  if (__any_sync(0xffffffffu, expired)) return;
   const int base = shfl(state.base, other);
-  const bool stored = known && layout.weights_fit_whole(shfl(state.rows, other), K);
+  const int rows = shfl(state.rows, other);
+  // NOTE: a sender of no rows stores no weights (its top-k weights may not even exist).
+  const bool stored = rows > 0 && layout.weights_fit_whole(rows, K);
   if (stored) {
     const Landing landing{&me->staged_weights_landed[other], a.epoch, 1u, other};
     Deadline deadline(site);
@@ -384,29 +440,8 @@ __device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const Sta
   }
   if (__any_sync(0xffffffffu, expired)) return;
   const uint8_t* region = static_cast<const uint8_t*>(a.peer_buffers[a.rank]) + layout.region_offset(a.rank, other);
-  for (int t = first_token + lane_id() * num_warps; t < a.num_tokens; t += 32 * num_warps) {
-    const int own_row = a.send_pos[static_cast<int64_t>(t) * 2 + a.rank];
-    const int staged_pos = a.send_pos[static_cast<int64_t>(t) * 2 + other];
-    if (staged_pos >= 0 && !stored) continue;
-    const float* own = own_row >= 0 && a.topk_weights != nullptr ? a.topk_weights + static_cast<int64_t>(own_row) * K
-                                                                 : nullptr;
-    const float* staged = staged_pos >= 0 ? reinterpret_cast<const float*>(
-                                                region + layout.weights_offset(staged_pos - base, K))
-                                          : nullptr;
-    float* out = a.combined_topk_weights + static_cast<int64_t>(t) * K;
-    for (int k0 = 0; k0 < K; k0 += 8) {
-      float own_values[8], staged_values[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        own_values[j] = own != nullptr && k0 + j < K ? own[k0 + j] : 0.f;
-        staged_values[j] = staged != nullptr && k0 + j < K ? load_staged(staged + k0 + j) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (k0 + j < K)
-          out[k0 + j] = pair_weight_sum(a.rank, own != nullptr, own_values[j], staged != nullptr, staged_values[j]);
-    }
-  }
+  for (int first; (first = static_cast<int>(claim_next(&me->staged_next_weights_token, 32))) < a.num_tokens;)
+    if (first + lane_id() < a.num_tokens) sum_pair_weights_of_token(a, layout, region, base, stored, first + lane_id());
 }
 
 // Lane r < R: an L2 prefetch of the copy from rank r of the token (own: user memory). Prefetching the
@@ -445,14 +480,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   if (!send_to_owners(a, layout, me, site)) return;
   bool expired = false;  // a wait of this lane expired: the warp ends its tokens
 
-  // Warps take tokens in order across the grid, so the first rows to land are summed first.
-  const int num_warps = gridDim.x * kWarpsPerChannel;
-  // The next token's positions are loaded a token ahead.
-  const int first_token = blockIdx.x * kWarpsPerChannel + warp;
-  int pos_ahead = lane < R && first_token < a.num_tokens ? a.send_pos[static_cast<int64_t>(first_token) * R + lane] : -1;
-  for (int t = first_token; t < a.num_tokens; t += num_warps) {
+  // Warps claim tokens in order, so that the first rows to land are summed first and every token is summed
+  // by whichever warps run: a later piece waits for a slot that earlier tokens free. The next token is
+  // claimed, and its positions loaded, a token ahead.
+  auto positions = [&](int t) { return lane < R && t < a.num_tokens ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  int next = static_cast<int>(claim_next(&me->staged_next_token));
+  int pos_ahead = positions(next);
+  while (next < a.num_tokens) {
+    const int t = next;
     const int pos = pos_ahead;
-    if (lane < R && t + num_warps < a.num_tokens) pos_ahead = a.send_pos[static_cast<int64_t>(t + num_warps) * R + lane];
+    next = static_cast<int>(claim_next(&me->staged_next_token));
+    pos_ahead = positions(next);
     int piece = -1;
     int64_t staged = -1, weights_index = -1;
     uint32_t unlanded = 0;
@@ -543,7 +581,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   }
   if constexpr (kPair)
     if (a.combined_topk_weights != nullptr && !__any_sync(0xffffffffu, expired))
-      sum_pair_weights_after_rows(a, layout, me, state, first_token, num_warps, site, expired);
+      sum_pair_weights_after_rows(a, layout, me, state, site, expired);
+  // NOTE: the last block out resets the claim counters for the next combine, which follows on this
+  // stream: every warp has made its last claims.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&me->staged_blocks_done, 1u) + 1u == gridDim.x) {
+      me->staged_blocks_done = 0;
+      me->staged_next_token = 0;
+      me->staged_next_weights_token = 0;
+      for (int r = 0; r < R; ++r) me->weights_next_chunk[r] = 0;
+      __threadfence();
+    }
+  }
 }
 
 __global__ void staging_wait_kernel(StagingWaitArgs a) {
