@@ -202,6 +202,19 @@ struct SourceState {
   int base = 0;        // source's first row of this rank's block (its recv_rank_offsets[rank])
   int rows = 0;        // rows of this rank's block
   int landed = 0;      // rows seen landed
+
+  // Waits for the words in which `source`'s kernel tells where its block of this combine starts and how
+  // many rows it has (send_to_owners); false if a wait expired.
+  __device__ __forceinline__ bool learn(const StagedReduceArgs& a, const Header* me, int source, const WaitSite& site) {
+    uint32_t block_rows, block_base;
+    if (!wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site, block_rows) ||
+        !wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site, block_base))
+      return false;
+    rows = static_cast<int>(block_rows);
+    base = static_cast<int>(block_base);
+    known = true;
+    return true;
+  }
 };
 
 // Lane s: the staged index (slot * rows_per_piece + row in piece) of the copy at source position `pos`;
@@ -213,16 +226,9 @@ __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, co
                                                    const Header* me, SourceState& state, int source, int pos,
                                                    int& piece, int64_t& weights_index, uint32_t& unlanded,
                                                    const WaitSite& site, bool& expired) {
-  if (!state.known) {
-    uint32_t rows, base;
-    if (!wait_for_epoch(&me->staged_rows[source], a.epoch, source, kWaitStagedRows, site, rows) ||
-        !wait_for_epoch(&me->staged_base[source], a.epoch, source, kWaitStagedRows, site, base)) {
-      expired = true;
-      return -1;
-    }
-    state.rows = static_cast<int>(rows);
-    state.base = static_cast<int>(base);
-    state.known = true;
+  if (!state.known && !state.learn(a, me, source, site)) {
+    expired = true;
+    return -1;
   }
   const int index = pos - state.base;
   piece = index / layout.rows_per_piece;
@@ -420,13 +426,7 @@ __device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const Sta
   const int other = a.rank == 0 ? 1 : 0;
   const int K = a.num_topk;
   // Lane `other` learns the other rank's block, if none of the warp's tokens had a staged copy.
-  if (lane_id() == other && !state.known) {
-    uint32_t rows, base;
-    expired = !wait_for_epoch(&me->staged_rows[other], a.epoch, other, kWaitStagedRows, site, rows) ||
-              !wait_for_epoch(&me->staged_base[other], a.epoch, other, kWaitStagedRows, site, base);
-    state.rows = static_cast<int>(rows);
-    state.base = static_cast<int>(base);
-  }
+  if (lane_id() == other && !state.known) expired = !state.learn(a, me, other, site);
   if (__any_sync(0xffffffffu, expired)) return;
   const int base = shfl(state.base, other);
   const int rows = shfl(state.rows, other);
