@@ -313,6 +313,7 @@ __device__ __forceinline__ uint32_t claim_next(uint32_t* counter, uint32_t step 
 // its stores, where both ends are 16-byte aligned (top-k 8); else float by float.
 // NOTE: a loop of single floats waits one memory latency per float before its warp sums a token: the
 // reduction alone took 221.7-222.1 against 217.4-218.3 us at 8 SMs (benchmarks/probes/staged_reduce.cu, one H200).
+// Not common/copy.cuh's warp_copy_units: its loop over any count made the 2-rank kernel spill 48 bytes (ptxas).
 __device__ __forceinline__ void warp_copy_chunk(float* to, const float* from, int count) {
   constexpr int kUnitsPerLane = kWeightsChunk / 4 / 32;
   const int lane = lane_id();
