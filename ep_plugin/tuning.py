@@ -63,17 +63,19 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
     return SLOT_PAYLOAD_OFFSET + _align(payload_bytes, SLOT_LINE_BYTES)
 
 
-# `buffer.combine_staging_tokens: auto`: the copy-engine combine at 2 ranks, 4096 rows per peer; the SM
-# combine (no staging area) at more ranks, where the copy engines are slower (docs/design.md, "Copy
-# engines at EP4").
+# The copy-engine combine runs at 2 ranks only (`auto`: 4096 rows per peer). At 4 ranks it was slower than
+# the SM combine at every SM count, the copies into three peers at once being the bound (docs/design.md,
+# "Copy engines at 3-8 ranks"), so at 3-8 ranks no staging area is allocated, whatever the setting.
 AUTO_STAGING_TOKENS = 4096
-AUTO_STAGING_MAX_RANKS = 2
+STAGING_MAX_RANKS = 2
 
 
 def staging_tokens(buffer, num_ranks: int) -> int:
     """Rows per peer of the copy-engine combine's staging area that `buffer` asks for (0: none)."""
+    if num_ranks > STAGING_MAX_RANKS:
+        return 0
     if buffer.combine_staging_tokens == "auto":
-        return AUTO_STAGING_TOKENS if num_ranks <= AUTO_STAGING_MAX_RANKS else 0
+        return AUTO_STAGING_TOKENS
     return int(buffer.combine_staging_tokens)
 
 

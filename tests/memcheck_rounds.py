@@ -23,7 +23,7 @@ NAMES = ("topk9", "fp8_hidden1536", "routing_minus_one", "empty_rank")
 def rounds(ranks: int):
     """(what, combine_staging_tokens, dispatch_output_bytes, num_sms) of each round."""
     direct = direct_output_bytes(ranks)
-    return (("ring dispatch, copy-engine combine", 4096, 0, 24),
+    return (("ring dispatch, copy-engine combine (SM combine at 3-8 ranks)", 4096, 0, 24),
             ("ring dispatch, SM combine", 0, 0, 24),
             ("direct dispatch", 4096, direct, 24),
             ("direct dispatch at 8 SMs", 4096, direct, 8))

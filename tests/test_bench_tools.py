@@ -71,13 +71,6 @@ def test_host_parts_parses_its_arguments():
     assert "--op {layout,ll_pair}" in run.stdout
 
 
-
-def test_staging_loop_parses_its_arguments():
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "staging_loop.py"), "--help"],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert "--staging STAGING" in run.stdout and "--reference" in run.stdout
-
 def host_parts_worker(rank: int, num_ranks: int, group, op: str, global_defaults: bool) -> str:
     from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels
     host_parts = _load("probes/host_parts")
