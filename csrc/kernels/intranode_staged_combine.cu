@@ -131,9 +131,10 @@ __device__ __forceinline__ void read_landed_units(int4 (&units)[kPairUnroll], co
   wait_for_landed_units<kWhole>(units, staged, base, num_units, landing, site, expired);
 }
 
-// sum_token_copies' look at a staged copy's units once read (3-8 ranks): a copy may still be landing
-// (see kUnlandedWord), so its units are read again until they have, all of a batch at once. Checked
-// row by row before the sum, each lane waited one round trip per unit of every staged copy.
+// sum_token_copies' look at a staged copy's units once read (the general kernel: a combine with biases):
+// a copy may still be landing (see kUnlandedWord), so its units are read again until they have, all of a
+// batch at once. Checked row by row before the sum, each lane waited one round trip per unit of every
+// staged copy.
 struct StagedCopiesLanded {
   uint32_t unlanded;  // lane s: the landed count that reports source s's copy, 0 when known landed
   const StagedReduceArgs* args;
