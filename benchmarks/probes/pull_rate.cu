@@ -8,7 +8,6 @@
 // EP4's bytes (4096 x 7168 bf16, top-8 of 256): 3 blocks of 3701 rows of 14336 B per GPU, 159.2 MB, each
 // block for one other GPU (at 2 GPUs all three for the one peer). Every GPU runs each case at once; prints
 // the median of 10 rounds of the slowest GPU and the bytes from peers per second.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,6 +15,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/bf16.cuh"
 #include "probe_util.cuh"
 
 namespace {
@@ -60,24 +60,6 @@ Sources sources_of(int owner) {
   return s;
 }
 
-__device__ __forceinline__ void add_units(float (&acc)[8], int4 v) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 to_bf16(const float (&acc)[8]) {
-  int4 r;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  return r;
-}
-
 // A warp per row: a lane loads kUnroll units of each peer's copy and of the own copy, then sums and stores.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1) pull_by_loads(Sources s, const int4* own, int4* out) {
@@ -101,8 +83,8 @@ __global__ void __launch_bounds__(kThreads, 1) pull_by_loads(Sources s, const in
         if (i >= kUnits) continue;
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-        for (int k = 0; k <= kBlocks; ++k) add_units(acc, v[k][u]);
-        out[first + i] = to_bf16(acc);
+        for (int k = 0; k <= kBlocks; ++k) ep_plugin::add_bf16x8(acc, v[k][u]);
+        out[first + i] = ep_plugin::to_bf16x8(acc);
       }
     }
   }
@@ -163,10 +145,10 @@ __global__ void __launch_bounds__(kThreads, 1) pull_by_bulk_loads(Sources s, con
 #pragma unroll
     for (int u = 0; u < kLaneUnits; ++u) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      add_units(acc, mine[u]);
+      ep_plugin::add_bf16x8(acc, mine[u]);
 #pragma unroll
-      for (int k = 0; k < kBlocks; ++k) add_units(acc, staged[k * (kPiece / 16) + u * 32 + lane]);
-      out[unit + u * 32 + lane] = to_bf16(acc);
+      for (int k = 0; k < kBlocks; ++k) ep_plugin::add_bf16x8(acc, staged[k * (kPiece / 16) + u * 32 + lane]);
+      out[unit + u * 32 + lane] = ep_plugin::to_bf16x8(acc);
     }
     // NOTE: every lane has read the stage before lane 0 loads the next piece into it.
     __syncwarp();
