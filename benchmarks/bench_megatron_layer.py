@@ -283,7 +283,7 @@ def bench_worker(rank: int, world: int, group, args: argparse.Namespace) -> Dict
         buffer = getattr(layer.token_dispatcher, "buffer", None)
         if buffer is not None:
             info[name].update(backend=buffer.backend_name, num_sms=buffer.num_sms,
-                              # "copy_engine" or "sm" for the native intranode combine (its last call)
+                              # "copy_engine", "pull" or "sm" for the native intranode combine (its last call)
                               combine_path=getattr(buffer._backend, "last_combine_path", ""))
     round_ms = _time_interleaved(rounds, args.warmup, args.iters, flush)
     stand_in_ms = _time_interleaved(stand_ins, args.warmup, args.iters, flush)

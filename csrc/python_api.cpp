@@ -155,7 +155,8 @@ void bind_staged_reduce_args(py::module_& m) {
   cls.def(py::init<>())
       .def_readwrite("num_tokens", &intranode::StagedReduceArgs::num_tokens)
       .def_readwrite("hidden", &intranode::StagedReduceArgs::hidden)
-      .def_readwrite("num_topk", &intranode::StagedReduceArgs::num_topk);
+      .def_readwrite("num_topk", &intranode::StagedReduceArgs::num_topk)
+      .def_readwrite("pull_rows", &intranode::StagedReduceArgs::pull_rows);
   bind_address(cls, "x", &intranode::StagedReduceArgs::x);
   bind_address(cls, "topk_weights", &intranode::StagedReduceArgs::topk_weights);
   bind_address(cls, "send_pos", &intranode::StagedReduceArgs::send_pos);
@@ -172,7 +173,7 @@ int runtime_wait_notify(IntranodeRuntime& runtime, int tag, uintptr_t stream) {
 
 py::tuple runtime_notify_counts(const IntranodeRuntime& runtime, int num_local_experts) {
   const NotifyCounts counts = runtime.notify_counts(num_local_experts);
-  return py::make_tuple(counts.num_recv_tokens_per_rank, counts.num_recv_tokens_per_expert);
+  return py::make_tuple(counts.num_recv_tokens_per_rank, counts.num_recv_tokens_per_expert, counts.largest_block_rows);
 }
 
 // A region tensor handed to torch: its shape, and the region that takes its block back when torch drops it.
@@ -405,7 +406,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_notify", &runtime_wait_notify, py::arg("tag"), py::arg("stream"),
            "The received row count of the notify published with `tag` (the host waits for it).")
       .def("notify_counts", &runtime_notify_counts, py::arg("num_local_experts"),
-           "(rows from each rank, aligned rows per local expert) of the last waited notify.")
+           "(rows from each rank, aligned rows per local expert, the most rows any rank received from any one "
+           "rank) of the last waited notify.")
       .def("dispatch", [](IntranodeRuntime& self, const intranode::DispatchArgs& args,
                           uintptr_t stream) { self.dispatch(args, as_stream(stream)); },
            py::arg("args"), py::arg("stream"), "The ring dispatch.")

@@ -522,6 +522,7 @@ NotifyCounts IntranodeRuntime::notify_counts(int num_local_experts) const {
   result.num_recv_tokens_per_expert.resize(num_local_experts);
   for (int e = 0; e < num_local_experts; ++e)
     result.num_recv_tokens_per_expert[e] = status_host_->num_recv_tokens_per_expert[e];
+  result.largest_block_rows = status_host_->largest_block_rows;
   return result;
 }
 

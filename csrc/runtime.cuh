@@ -20,6 +20,7 @@ namespace ep_plugin {
 struct NotifyCounts {
   std::vector<int> num_recv_tokens_per_rank;
   std::vector<int> num_recv_tokens_per_expert;
+  int largest_block_rows = 0;  // the most rows any rank received from any one rank (every rank sees the same)
 };
 
 // The runs of consecutive tokens a rank sends to itself in a dispatch (notify finds them): the copy
@@ -138,11 +139,18 @@ class IntranodeRuntime {
   // rows, one slot at a time, each after the owner has freed it.
   int64_t copy_first_round(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
                            int owner, cudaStream_t stream);
+  // On `stream`, before this combine's first copy for `owner`: its release of the previous combine.
+  void wait_for_release(const intranode::StagedReduceArgs& args, int owner, cudaStream_t stream);
+  // Pulled rows (args.pull_rows): every owner's rows into this rank's region for it, in kPulledPieces
+  // pieces each, on the owners' copy streams, before the reduction is launched.
+  static constexpr int kPulledPieces = 4;
+  void copy_pulled_rows(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout);
   void copy_later_pieces(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout, int owner,
                          int64_t done, cudaStream_t stream);
-  // `count` rows from row `done` of the owner's rows into staging slot `slot`, then their landed word.
+  // `count` rows from row `done` of the owner's rows to staged row `staged` of their region, then their
+  // landed word.
   void copy_piece(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout, int owner,
-                  int64_t done, int slot, int64_t count, cudaStream_t stream);
+                  int64_t done, int64_t staged, int64_t count, cudaStream_t stream);
   // On each owner's copy stream, after this combine's copies: a wait for the owner's release of `epoch`.
   void wait_for_releases(uint32_t epoch);
   // The owner's reduction on `side`, after the combine's fork; join_ marks its end.

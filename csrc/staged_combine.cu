@@ -2,8 +2,9 @@
 // kernels/intranode_staged_combine.cu.
 //
 // Each rank copies the rows it received from owner o (one contiguous block of its combine input) into
-// o's staging area with cudaMemcpyAsync on a copy stream per owner; after each copy, the owner's signal
-// stream writes the rows-landed word into o's header. Meanwhile every rank's reduction kernel (on the
+// o's staging area (above 2 ranks: into its own region for o, from which o pulls them) with
+// cudaMemcpyAsync on a copy stream per owner; after each copy, the owner's signal stream writes the
+// rows-landed word into o's header. Meanwhile every rank's reduction kernel (on the
 // side stream) does its sender side and sums its own tokens as their rows land. After the reduction the
 // area is refilled with unlanded bytes and released to the senders.
 #include <cuda.h>
@@ -99,11 +100,19 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   for (int r = 0; r < R; ++r) {
     if (r == rank_) continue;
     CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[r], fork_, 0));
-    rows_copied[r] = copy_first_round(args, layout, r, copy_streams_[r]);
+    if (args.pull_rows) {
+      EP_CHECK_ARG(args.send_rows[r] <= layout.rows_capacity(), "pulled rows must fit the staging region: "
+                                                                     << args.send_rows[r] << " rows for rank " << r
+                                                                     << ", room for " << layout.rows_capacity());
+      wait_for_release(args, r, copy_streams_[r]);
+    } else {
+      rows_copied[r] = copy_first_round(args, layout, r, copy_streams_[r]);
+    }
   }
+  if (args.pull_rows) copy_pulled_rows(args, layout);
   launch_reduction(args, request.num_sms, side);
   for (int r = 0; r < R; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || args.pull_rows) continue;
     copy_later_pieces(args, layout, r, rows_copied[r], copy_streams_[r]);
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
@@ -117,19 +126,40 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   release_staging(args, layout, side);
 }
 
-int64_t IntranodeRuntime::copy_first_round(const intranode::StagedReduceArgs& args,
-                                            const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
-  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
-  // The owner must have finished reading the previous combine's staging area and words (unless the
+void IntranodeRuntime::wait_for_release(const intranode::StagedReduceArgs& args, int owner, cudaStream_t stream) {
+  // The owner must have finished reading the previous combine's staged rows and words (unless the
   // previous combine's copy stream already waited for that); the reduction kernel tells it where this
   // combine's block is.
+  auto* mine = reinterpret_cast<intranode::Header*>(buffer_);
   if (released_epoch_waited_[owner] != args.epoch - 1)
     wait_for_owner(&mine->staged_released[owner], args.epoch - 1, owner, -1, stream);
+}
+
+int64_t IntranodeRuntime::copy_first_round(const intranode::StagedReduceArgs& args,
+                                            const intranode::StagingLayout& layout, int owner, cudaStream_t stream) {
+  wait_for_release(args, owner, stream);
   // Every slot is free and summed as it lands: one copy.
   const int64_t first_round_rows = static_cast<int64_t>(layout.num_slots) * layout.rows_per_piece;
   const int64_t rows = std::min<int64_t>(first_round_rows, args.send_rows[owner]);
   copy_piece(args, layout, owner, 0, 0, rows, stream);
   return rows;
+}
+
+void IntranodeRuntime::copy_pulled_rows(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout) {
+  // NOTE: every owner's rows in kPulledPieces even pieces, queued piece by piece across the owners and all
+  // before the reduction's launch: every owner's first piece lands early. How the pieces go out did not
+  // matter at EP2 (forced to pull, 2x H200, one call, twice each): these, two pieces (a quarter, then the
+  // rest) and the launch ahead of these all took 207.0-208.9 us at 24 SMs and 276.0-279.5 at 8. The
+  // reduction's per-token steps, not the copies, set the pace.
+  std::vector<int64_t> copied(num_ranks_, 0);
+  for (int piece = 0; piece < kPulledPieces; ++piece) {
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (r == rank_) continue;
+      const int64_t end = args.send_rows[r] * (piece + 1) / kPulledPieces;
+      copy_piece(args, layout, r, copied[r], copied[r], end - copied[r], copy_streams_[r]);
+      copied[r] = end;
+    }
+  }
 }
 
 void IntranodeRuntime::copy_later_pieces(const intranode::StagedReduceArgs& args,
@@ -144,21 +174,22 @@ void IntranodeRuntime::copy_later_pieces(const intranode::StagedReduceArgs& args
     wait_for_owner(&mine->staged_freed[owner][slot],
                    staged_word(args.epoch, static_cast<uint32_t>(piece - layout.num_slots + 1)), owner, slot, stream);
     const int64_t count = std::min<int64_t>(layout.rows_per_piece, rows - done);
-    copy_piece(args, layout, owner, done, slot, count, stream);
+    copy_piece(args, layout, owner, done, static_cast<int64_t>(slot) * layout.rows_per_piece, count, stream);
     done += count;
   }
 }
 
 void IntranodeRuntime::copy_piece(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout,
-                                  int owner, int64_t done, int slot, int64_t count, cudaStream_t stream) {
+                                  int owner, int64_t done, int64_t staged, int64_t count, cudaStream_t stream) {
   if (count == 0) return;
-  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[owner]) + layout.region_offset(owner, rank_);
+  const bool pulled = args.pull_rows != 0;
+  uint8_t* region = static_cast<uint8_t*>(peer_buffers_[layout.region_home(owner, rank_, pulled)]) +
+                    layout.staged_region_offset(owner, rank_, pulled);
   // Weights that fit whole are stored by the reduction kernel; the others go with each piece.
   const bool weights_per_piece = args.topk_weights != nullptr && args.num_topk > 0 &&
                                  !layout.weights_fit_whole(args.send_rows[owner], args.num_topk);
   const int64_t row_bytes = 2LL * args.hidden;
   const int64_t row = args.send_first[owner] + done;
-  const int64_t staged = static_cast<int64_t>(slot) * layout.rows_per_piece;
   CUDA_CHECK(cudaMemcpyAsync(region + layout.row_offset(staged), static_cast<const uint8_t*>(args.x) + row * row_bytes,
                              count * row_bytes, cudaMemcpyDeviceToDevice, stream));
   if (weights_per_piece)
@@ -235,7 +266,8 @@ void IntranodeRuntime::release_staging(const intranode::StagedReduceArgs& args, 
   const int64_t weights = std::min<int64_t>(static_cast<int64_t>(args.num_tokens) * args.num_topk,
                                             layout.rows_capacity() * intranode::kMaxTopk);
   for (int r = 0; r < num_ranks_; ++r) {
-    if (r == rank_ || rows == 0) continue;
+    // NOTE: pulled rows are read once reported landed: their regions need no marks.
+    if (r == rank_ || rows == 0 || args.pull_rows) continue;
     uint8_t* region = static_cast<uint8_t*>(buffer_) + layout.region_offset(rank_, r);
     CUDA_CHECK(cudaMemsetAsync(region, 0xff, rows * layout.row_bytes, side));
     if (weights > 0) CUDA_CHECK(cudaMemsetAsync(region + layout.weights_offset(0, 1), 0xff, weights * 4, side));

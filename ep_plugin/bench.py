@@ -1053,7 +1053,7 @@ def format_table(run: dict) -> str:
               f"{'host us':>11}" + (f"{'DeepEP us':>11}{'vs DeepEP':>11}" if with_peer else ""))
     lines += [header, "-" * len(header)]
     for name, e in run["ops"].items():
-        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "sm") + DISPATCH_PATHS else ""
+        path = f"  ({e['path']})" if e.get("path") in ("copy_engine", "pull", "sm") + DISPATCH_PATHS else ""
         peer = ""
         if with_peer:
             peer = (f"{e['deepep']['median_us']:>11.1f}{e['vs_deepep']:>10.2f}x" if "deepep" in e

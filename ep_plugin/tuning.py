@@ -63,11 +63,19 @@ def nvl_slot_bytes(payload_bytes: int) -> int:
     return SLOT_PAYLOAD_OFFSET + _align(payload_bytes, SLOT_LINE_BYTES)
 
 
-# The copy-engine combine runs at 2 ranks only (`auto`: 4096 rows per peer). At 4 ranks it was slower than
-# the SM combine at every SM count, the copies into three peers at once being the bound (docs/design.md,
-# "Copy engines at 3-8 ranks"), so at 3-8 ranks no staging area is allocated, whatever the setting.
+# The copy-engine combine (`auto`: 4096 rows per peer). At 2 ranks the engines copy each sender's rows into
+# the owner's staging area. From PULL_MIN_RANKS on, copies into several peers at once were slower than the SM
+# combine (docs/design.md, "Copy engines at 3-8 ranks"): each sender's engines copy the rows within its own
+# GPU and the owner pulls them across NVLink ("Pulled by the owners"). The pulled sum holds a token's copies
+# from at most STAGING_MAX_RANKS ranks; above that no staging area is allocated, whatever the setting.
 AUTO_STAGING_TOKENS = 4096
-STAGING_MAX_RANKS = 2
+STAGING_MAX_RANKS = 4
+PULL_MIN_RANKS = 3
+
+
+def pulls_rows(num_ranks: int) -> bool:
+    """Whether a copy-engine combine of `num_ranks` ranks has its owners pull the rows (StagedReduceArgs.pull_rows)."""
+    return num_ranks >= PULL_MIN_RANKS
 
 
 def staging_tokens(buffer, num_ranks: int) -> int:

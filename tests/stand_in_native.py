@@ -117,9 +117,10 @@ class StandInIntranodeRuntime:
         self.wait_returned_at = time.perf_counter()
         return num_tokens * self.num_ranks
 
-    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int]]:
+    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int], int]:
         num_tokens, alignment, _ = self._notify
-        return self.received(num_tokens, num_local_experts, alignment)[1:]
+        per_rank, per_expert = self.received(num_tokens, num_local_experts, alignment)[1:]
+        return per_rank, per_expert, max(per_rank)
 
     def dispatch(self, args, stream: int) -> None:
         self.launched_at = time.perf_counter()
@@ -156,7 +157,7 @@ class RecordingIntranodeRuntime(StandInIntranodeRuntime):
         self.launches.append(("wait_notify", {}, (tag,)))
         return rows
 
-    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int]]:
+    def notify_counts(self, num_local_experts: int) -> Tuple[List[int], List[int], int]:
         self.launches.append(("notify_counts", {}, (num_local_experts,)))
         return super().notify_counts(num_local_experts)
 

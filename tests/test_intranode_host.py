@@ -193,7 +193,7 @@ def case_copy_engine_combine(ctx: Ctx) -> None:
     combined, combined_weights, _ = ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
     operation, fields, (rows_from, _, num_sms) = ctx.runtime().launches[-1]
     assert operation == "staged_combine" and rows_from == [T] * ctx.num_ranks and num_sms == CONFIG.num_sms
-    _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(),
+    _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(), pull_rows=0,
                    combined_x=combined.data_ptr(), combined_topk_weights=combined_weights.data_ptr())
 
 
@@ -432,3 +432,33 @@ def results(request):
 @pytest.mark.parametrize("case", CASES)
 def test_intranode_host(results, case):
     assert_case_passed(results, case, f"EP_TEST_SEED={BASE_SEED}")
+
+
+def pulled_combine_worker(rank: int, num_ranks: int, group, seed: int) -> List[object]:
+    """At 4 ranks: the combine after a dispatch that waited for its counts pulls the rows (pull_rows set) where
+    the most rows any rank sends any owner fit the staging area, and takes the rings where they do not (the
+    stand-in's notify then reports one row more than the area holds, as it would on every rank)."""
+    seen = []
+    with stand_in_kernels(StandInLowLatencyRuntime(), intranode=RecordingIntranodeRuntime):
+        buffer = _buffer(group, "auto")
+        try:
+            ctx = Ctx(rank, num_ranks, {"direct": buffer}, seed, fast=False)
+            area_rows = ctx.runtime().staging_rows(buffer._backend._staging_bytes, HIDDEN)
+            counts = RecordingIntranodeRuntime.notify_counts
+            for largest in (None, area_rows + 1):
+                if largest is not None:
+                    ctx.runtime().notify_counts = lambda n, largest=largest: counts(ctx.runtime(), n)[:2] + (largest,)
+                _, outputs, _ = ctx.dispatch()
+                recv_x, _, recv_weights, _, handle, _ = outputs
+                buffer.combine(recv_x, handle, recv_weights, config=CONFIG)
+                operation, fields, extra = ctx.runtime().launches[-1]
+                seen.append((operation, buffer._backend.last_combine_path, fields.get("pull_rows"),
+                             extra[0] if operation == "staged_combine" else None))
+        finally:
+            buffer.destroy()
+    return seen
+
+
+def test_pulled_combine_at_four_ranks():
+    for seen in parallel_launch(4, pulled_combine_worker, BASE_SEED, backend="gloo", timeout_s=120):
+        assert seen == [("staged_combine", "pull", 1, [T] * 4), ("combine", "sm", None, None)], seen

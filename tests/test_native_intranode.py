@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ep_plugin import Buffer, Config, EpTimeoutError
 from ep_plugin.config import as_config
 from ep_plugin.handles import unwrap
+from ep_plugin import tuning
 from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
 from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, dispatch_and_combine, dispatch_error,
@@ -23,7 +24,10 @@ RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
 
 # ---- helpers (run inside the spawned ranks) ---------------------------------------------------
-def make_buffers(group, num_sms: int = 24, max_hidden: int = 16896, timeout_s: float = 20.0,
+MAX_HIDDEN = 16896  # the buffers' max_hidden unless a test says otherwise
+
+
+def make_buffers(group, num_sms: int = 24, max_hidden: int = MAX_HIDDEN, timeout_s: float = 20.0,
                  check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0,
                  direct_chunk_tokens: int = 1):
     R = group.size()
@@ -62,10 +66,18 @@ CASES = NORMAL_MODE_CASES + (
 
 
 def expected_combine_path(case: dict, R: int, combine_staging_tokens) -> str:
-    """The copy engines carry a combine at 2 ranks when the dispatch told the host its counts (no
-    num_worst_tokens); the SMs carry every combine at more ranks."""
-    staged = R == 2 and combine_staging_tokens != 0 and "num_worst_slack" not in case
-    return "copy_engine" if staged else "sm"
+    """The copy engines carry a combine when the dispatch told the host its counts (no num_worst_tokens):
+    at 2 ranks into the owner's staging area, at 3-4 ranks within each sender's GPU for the owners to pull,
+    if every rank's rows for every owner fit the area. A case of more tokens than the area's rows has more
+    rows than that for some owner (random routing over 64 or more experts sends an owner's token to a
+    given rank with p >= 0.9 at 4 ranks), one of fewer tokens never does. The SMs carry every other combine."""
+    if combine_staging_tokens == 0 or "num_worst_slack" in case or not 2 <= R <= tuning.STAGING_MAX_RANKS:
+        return "sm"
+    if not tuning.pulls_rows(R):
+        return "copy_engine"
+    section = as_config({"buffer": {"max_hidden": MAX_HIDDEN, "combine_staging_tokens": combine_staging_tokens}}).buffer
+    rows = tuning.staging_rows(tuning.staging_bytes(section, R), R, case["H"])  # more rows at a smaller hidden
+    return "pull" if case["T"] <= rows else "sm"
 
 
 def cases_rank(rank: int, R: int, group, names, combine_staging_tokens=4096, dispatch_output_bytes=0,
@@ -106,8 +118,9 @@ def test_cases_multi_rank():
 
 
 # The same cases with the combine on the SMs (no staging area), with a staging area of two pieces
-# (512 rows each), so that senders of more rows wait for the owner to free pieces, and with the
-# default `auto`. At 3-8 ranks every combine runs on the SMs, whatever the staging setting.
+# (512 rows each), so that senders of more rows wait for the owner to free pieces (at 3-4 ranks, where
+# the owners pull the rows and nothing wraps, the larger cases take the SMs), and with the default `auto`.
+# Above 4 ranks every combine runs on the SMs, whatever the staging setting.
 SM_COMBINE_CASES = ("hidden7168", "hidden1536", "fp8_hidden7168", "topk1", "topk9", "experts256", "routing_minus_one",
                     "routing_one_rank", "empty_rank", "no_weights", "bias2", "small_ring", "sms2", "large")
 WRAPPING_STAGING_CASES = ("large", "sms16", "routing_one_expert", "topk9", "no_weights", "bias2", "empty_rank",
@@ -587,8 +600,8 @@ def test_missing_peer_times_out_and_the_rest_recover_in_the_same_process(op):
     first = results[0]["message"]
     assert results[0]["peer"] == 1 and "rank 0" in first and "peer 1" in first and "timeout" in first, first
     assert "restart the process" not in first, first
-    # The copy-engine combine (2 ranks) and the direct dispatch say what rank 0 waited for.
-    assert ("copy-engine path" in first) == (op == "combine" and RANKS == 2), first
+    # The copy-engine combine (2-4 ranks) and the direct dispatch say what rank 0 waited for.
+    assert ("copy-engine path" in first) == (op == "combine" and RANKS <= tuning.STAGING_MAX_RANKS), first
     assert ("direct dispatch" in first) == (op == "cached_dispatch_direct"), first
 
 

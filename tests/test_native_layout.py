@@ -38,15 +38,18 @@ def test_staging_area_holds_the_configured_rows(tokens, max_hidden):
     assert tuning.staging_bytes(BufferSection(combine_staging_tokens=0), 2) == 0
 
 
-def test_staging_area_only_at_two_ranks():
-    """The copy-engine combine runs at 2 ranks; at 3-8 the SM combine does, whatever the setting."""
+def test_staging_area_at_two_to_four_ranks():
+    """The copy-engine combine runs at 2 ranks (rows copied into the owner) and at 3-4 (rows pulled by the
+    owner); at more ranks the SM combine does, whatever the setting."""
     from ep_plugin.config import BufferSection
     auto = BufferSection()
     assert auto.combine_staging_tokens == "auto"
-    assert tuning.staging_rows(tuning.staging_bytes(auto, 2), 2, auto.max_hidden) == 4096
     explicit = BufferSection(combine_staging_tokens=1024)
-    assert tuning.staging_rows(tuning.staging_bytes(explicit, 2), 2, explicit.max_hidden) == 1024
-    for num_ranks in (1, 3, 4, 8):
+    for num_ranks in (2, 3, 4):
+        assert tuning.staging_rows(tuning.staging_bytes(auto, num_ranks), num_ranks, auto.max_hidden) == 4096
+        assert tuning.staging_rows(tuning.staging_bytes(explicit, num_ranks), num_ranks, explicit.max_hidden) == 1024
+        assert tuning.pulls_rows(num_ranks) == (num_ranks > 2)
+    for num_ranks in (1, 5, 8):
         assert tuning.staging_bytes(auto, num_ranks) == 0
         assert tuning.staging_bytes(explicit, num_ranks) == 0
 

@@ -67,6 +67,7 @@ struct DeviceStatus {
   volatile int32_t bad_input_code;
   volatile int64_t bad_input_detail[3];
   volatile int32_t num_recv_tokens_per_rank[kMaxNvlPeers];  // rows received from each source rank
+  volatile int32_t largest_block_rows;  // the most rows any rank sends any one rank: the same on every rank
   volatile int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
   // The runs of consecutive tokens this rank sends to itself, published by notify after the count (its
   // send_pos scan finds them); `own_runs_tag` is written last. `num_own_runs` -1: more than kMaxOwnRuns.

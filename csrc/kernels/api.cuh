@@ -129,6 +129,10 @@ struct StagedReduceArgs {
   // writes o's staged_rows/base words and, where they fit whole, stores this rank's top-k weights for o,
   // then o's staged_weights_landed word; else the weights go with each piece by copy. First-round rows
   // are summed as they land (see kUnlandedWord).
+  // pull_rows (3-4 ranks): each sender's region for owner o lies in the sender's own buffer, filled by
+  // copies within its GPU, and o reads the rows across NVLink once its landed word reports them; every
+  // row fits the region (no slot is reused) and nothing is read before it is reported.
+  int pull_rows;
   int send_first[kMaxNvlPeers];     // [owner]: this rank's first row for owner (rows are ordered by source)
   int send_rows[kMaxNvlPeers];      // [owner]: rows this rank sends back to owner
   DeviceStatus* status;

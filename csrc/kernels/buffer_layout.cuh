@@ -185,6 +185,12 @@ struct StagingLayout {
     const int peer_index = writer < owner ? writer : writer - 1;
     return offset + peer_index * peer_bytes();
   }
+  // Where `source`'s rows for `owner` are staged: in the owner's buffer (copied across NVLink), or,
+  // pulled (StagedReduceArgs::pull_rows), in the source's own buffer (copied within its GPU).
+  __host__ __device__ int region_home(int owner, int source, bool pulled) const { return pulled ? source : owner; }
+  __host__ __device__ int64_t staged_region_offset(int owner, int source, bool pulled) const {
+    return pulled ? region_offset(source, owner) : region_offset(owner, source);
+  }
   // Within a region: the row and weights of staged row `index` (slot * rows_per_piece + row in piece).
   __host__ __device__ int64_t row_offset(int64_t index) const { return index * row_bytes; }
   // Whether all `rows` rows' weights fit the weights area at once: then one copy carries them before

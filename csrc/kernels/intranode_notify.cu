@@ -195,7 +195,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   // dispatch meanwhile (the dispatch runs after this kernel on the stream, so it sees send_pos).
   if (tid == 0 && args.host_tag > 0) {
     args.status->num_recv_tokens = *args.num_recv_tokens;
-    for (int s = 0; s < R; ++s) args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
+    int largest = 0;
+    for (int s = 0; s < R; ++s) {
+      args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
+      for (int d = 0; d < R; ++d) largest = max(largest, blocks[s].tokens_to_rank[d]);
+    }
+    args.status->largest_block_rows = largest;
     args.status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
     if (bad_rank >= 0) {
       args.status->bad_input_code = blocks[bad_rank].bad_input_code;

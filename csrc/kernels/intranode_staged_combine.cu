@@ -3,12 +3,14 @@
 // A sender's rows for owner o are one contiguous block of its combine input (rows are ordered by
 // source rank), so the host copies them into o's staging area with the copy engines, on one stream
 // per owner; after each copy a signal stream counts the rows landed in o's header (staged_combine.cu). No
-// SM moves a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
+// SM writes a remote row. Every rank runs `staged_reduce_kernel`, which first does its sender side
 // (send_to_owners: the words that tell o where its rows are, and its top-k weights) and then, as
 // owner, has its warps claim tokens in order, sums each token's staged copies with its own copy as
 // they land (see kUnlandedWord), and frees a piece's staging slot for its sender once every row of
 // it is summed. The last block out resets the claim counters. After the kernel, the host refills the
-// area with unlanded bytes and then tells every sender that o has released it. Every progress word is
+// area with unlanded bytes and then tells every sender that o has released it. At 3-4 ranks the rows are
+// pulled instead (StagedReduceArgs::pull_rows, `pulled_reduce_kernel`): each sender copies them into a
+// region of its own buffer, and o reads them across NVLink once reported landed. Every progress word is
 // written where its waiter polls it, so no wait reads across NVLink. A wait that expires
 // (Deadline::expired) sets its lane's `expired`: the warp then ends its tokens, the outputs undefined; a
 // block whose sender side fails ends at once.
@@ -51,6 +53,22 @@ struct Landing {
 
 __device__ __forceinline__ Landing landing_of(const StagedReduceArgs& a, const Header* me, int source, uint32_t count) {
   return Landing{&me->staged_landed[source], a.epoch, count, source};
+}
+
+// Waits until `landing` is reported; false (and `expired` set) if the wait expired.
+__device__ __forceinline__ bool wait_until_reported(Landing landing, const WaitSite& site, bool& expired) {
+  Deadline deadline(site);
+  while (!landing.reported())
+    if ((expired = deadline.expired(kWaitStagedRows, landing.source, landing.count, 0))) return false;
+  return true;
+}
+
+// The first byte of `source`'s staged rows for `owner` (StagingLayout::region_home).
+__device__ __forceinline__ uint8_t* staged_region(const StagedReduceArgs& a, const StagingLayout& layout, int owner,
+                                                  int source) {
+  const bool pulled = a.pull_rows != 0;
+  return static_cast<uint8_t*>(a.peer_buffers[layout.region_home(owner, source, pulled)]) +
+         layout.staged_region_offset(owner, source, pulled);
 }
 
 // Re-reads a staged unit (int4) or weight (float) until no word of it is unlanded or its row is
@@ -222,7 +240,8 @@ struct SourceState {
 // sets `piece`, `weights_index` (where the row's top-k weights are) and `unlanded` (the landed count
 // that reports the row, 0 when it is known to have landed). -1 with `expired` set if a wait expired.
 // Rows of the first round of slots are read early (see kUnlandedWord). A later piece reuses a slot
-// whose earlier rows other warps may still be summing, so its rows are read once reported landed.
+// whose earlier rows other warps may still be summing, and pulled rows lie in a region that the source
+// never marks unlanded: those rows are read once reported landed.
 __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, const StagingLayout& layout,
                                                    const Header* me, SourceState& state, int source, int pos,
                                                    int& piece, int64_t& weights_index, uint32_t& unlanded,
@@ -236,7 +255,8 @@ __device__ __forceinline__ int64_t find_staged_row(const StagedReduceArgs& a, co
   const int slot = piece % layout.num_slots;
   unlanded = 0;
   if (state.landed <= index) {
-    if (piece < layout.num_slots) {
+    // NOTE: pulled rows are never read early: nothing marks a source's region as unlanded.
+    if (piece < layout.num_slots && !a.pull_rows) {
       unlanded = static_cast<uint32_t>(index + 1);
     } else {
       // One copy stream per owner: copies land in order, and the word counts the rows landed.
@@ -359,8 +379,7 @@ __device__ bool send_to_owners(const StagedReduceArgs& a, const StagingLayout& l
       st_release_sys(&theirs->staged_base[a.rank], staged_word(a.epoch, static_cast<uint32_t>(a.send_first[owner])));
     }
     if (a.topk_weights == nullptr || a.num_topk == 0 || !layout.weights_fit_whole(rows, a.num_topk)) continue;
-    float* to = reinterpret_cast<float*>(static_cast<uint8_t*>(a.peer_buffers[owner]) +
-                                         layout.region_offset(owner, a.rank) + layout.weights_offset(0, a.num_topk));
+    float* to = reinterpret_cast<float*>(staged_region(a, layout, owner, a.rank) + layout.weights_offset(0, a.num_topk));
     const float* from = a.topk_weights + static_cast<int64_t>(a.send_first[owner]) * a.num_topk;
     const int64_t count = static_cast<int64_t>(rows) * a.num_topk;
     const uint32_t chunks = static_cast<uint32_t>((count + kWeightsChunk - 1) / kWeightsChunk);
@@ -434,14 +453,9 @@ __device__ void sum_pair_weights_after_rows(const StagedReduceArgs& a, const Sta
   const int rows = shfl(state.rows, other);
   // NOTE: a sender of no rows stores no weights (its top-k weights may not even exist).
   const bool stored = rows > 0 && layout.weights_fit_whole(rows, K);
-  if (stored) {
-    const Landing landing{&me->staged_weights_landed[other], a.epoch, 1u, other};
-    Deadline deadline(site);
-    while (!landing.reported() && !(expired = deadline.expired(kWaitStagedRows, other, 1, 0))) {
-    }
-  }
+  if (stored) wait_until_reported(Landing{&me->staged_weights_landed[other], a.epoch, 1u, other}, site, expired);
   if (__any_sync(0xffffffffu, expired)) return;
-  const uint8_t* region = static_cast<const uint8_t*>(a.peer_buffers[a.rank]) + layout.region_offset(a.rank, other);
+  const uint8_t* region = staged_region(a, layout, a.rank, other);
   for (int first; (first = static_cast<int>(claim_next(&me->staged_next_weights_token, 32))) < a.num_tokens;)
     if (first + lane_id() < a.num_tokens) sum_pair_weights_of_token(a, layout, region, base, stored, first + lane_id());
 }
@@ -461,6 +475,22 @@ __device__ __forceinline__ void prefetch_rows(const StagedReduceArgs& a, const S
                    row_bytes);
 }
 
+// The last block out resets the claim counters for the next combine, which follows on this stream.
+// NOTE: after every warp's last claims.
+__device__ __forceinline__ void reset_claims_when_last(Header* me, int num_ranks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&me->staged_blocks_done, 1u) + 1u == gridDim.x) {
+      me->staged_blocks_done = 0;
+      me->staged_next_token = 0;
+      me->staged_next_weights_token = 0;
+      for (int r = 0; r < num_ranks; ++r) me->weights_next_chunk[r] = 0;
+      __threadfence();
+    }
+  }
+}
+
 // kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged);
 // a token's weights are loaded before its rows and summed after them, so that their latency overlaps.
 template <bool kPair>
@@ -473,9 +503,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
   const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
   const bool is_source = lane < R && lane != a.rank;
-  const uint8_t* region = is_source ? static_cast<const uint8_t*>(a.peer_buffers[a.rank]) +
-                                          layout.region_offset(a.rank, lane)
-                                    : nullptr;
+  const uint8_t* region = is_source ? staged_region(a, layout, a.rank, lane) : nullptr;
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
@@ -584,19 +612,126 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
   if constexpr (kPair)
     if (a.combined_topk_weights != nullptr && !__any_sync(0xffffffffu, expired))
       sum_pair_weights_after_rows(a, layout, me, state, site, expired);
-  // NOTE: the last block out resets the claim counters for the next combine, which follows on this
-  // stream: every warp has made its last claims.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&me->staged_blocks_done, 1u) + 1u == gridDim.x) {
-      me->staged_blocks_done = 0;
-      me->staged_next_token = 0;
-      me->staged_next_weights_token = 0;
-      for (int r = 0; r < R; ++r) me->weights_next_chunk[r] = 0;
-      __threadfence();
+  reset_claims_when_last(me, R);
+}
+
+// The most ranks whose rows are pulled (ep_plugin.tuning.STAGING_MAX_RANKS), and the units per lane of each
+// copy that a pulled sum loads at once.
+constexpr int kMaxPulledRanks = 4;
+constexpr int kPulledUnroll = 4;
+
+// One warp sums a token's copies (src[r]: rank r's copy, or nullptr; rank `own`'s is user memory) in fp32,
+// in rank order, then the token's biases (kBias: either may be nullptr), and stores the bf16 row: every
+// copy's kPulledUnroll units per lane in flight at once, for the pulled copies cross NVLink (a round trip
+// several times a local one).
+template <bool kBias>
+__device__ __forceinline__ void sum_pulled_copies(const int4* const (&src)[kMaxPulledRanks], int own, int num_units,
+                                                  const int4* bias_0, const int4* bias_1, int4* out) {
+  const int lane = lane_id();
+  for (int base = 0; base < num_units; base += 32 * kPulledUnroll) {
+    int4 values[kMaxPulledRanks][kPulledUnroll];
+#pragma unroll
+    for (int r = 0; r < kMaxPulledRanks; ++r) {
+      if (src[r] == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kPulledUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < num_units) values[r][u] = r == own ? ld_nc_v4(src[r] + i) : ld_cg_v4(src[r] + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPulledUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i >= num_units) continue;
+      float acc[8] = {};
+#pragma unroll
+      for (int r = 0; r < kMaxPulledRanks; ++r)
+        if (src[r] != nullptr) add_bf16x8(acc, values[r][u]);
+      if constexpr (kBias) {
+        if (bias_0 != nullptr) add_bf16x8(acc, ld_nc_v4(bias_0 + i));
+        if (bias_1 != nullptr) add_bf16x8(acc, ld_nc_v4(bias_1 + i));
+      }
+      st_na_v4(out + i, to_bf16x8(acc));
     }
   }
+}
+
+// The owner's side of a pulled combine (pull_rows, 3-4 ranks; kBias: with biases): warp w of the grid sums tokens
+// w, w + W, ... (nothing is reused, so no token waits for another warp's), each once its copies are
+// reported landed, with the loads of every copy in flight at once and the top-k weights' loads before the
+// rows': the shape of benchmarks/probes/pull_rate.cu, whose loop pulls at the link's rate from 8 SMs on.
+// Bulk loads of the copies into shared memory and L2 prefetches of the next token's pulled rows lost to it
+// (docs/design.md, "Pulled by the owners").
+template <bool kBias>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) pulled_reduce_kernel(StagedReduceArgs a) {
+  Header* me = header_of(a.peer_buffers, a.rank);
+  const int lane = lane_id();
+  const int warp = threadIdx.x >> 5;
+  const int R = a.num_ranks;
+  const int K = a.num_topk;
+  const int num_units = a.hidden / 8;
+  const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
+  const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
+  const bool is_source = lane < R && lane != a.rank;
+  const uint8_t* region = is_source ? staged_region(a, layout, a.rank, lane) : nullptr;
+  const bool with_weights = a.combined_topk_weights != nullptr;
+  SourceState state;
+  bool weights_landed = false;  // lane s: source s's stored weights are reported landed
+  if (!send_to_owners(a, layout, me, site)) return;
+  bool expired = false;
+
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  auto positions = [&](int t) { return lane < R && t < a.num_tokens ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
+  int t = blockIdx.x * (blockDim.x >> 5) + warp;
+  int pos_ahead = positions(t);
+  for (; t < a.num_tokens; t += warps) {
+    const int pos = pos_ahead;
+    pos_ahead = positions(t + warps);
+    int piece = -1;
+    int64_t staged = -1, weights_index = -1;
+    uint32_t unlanded = 0;
+    if (is_source && pos >= 0) {
+      staged = find_staged_row(a, layout, me, state, lane, pos, piece, weights_index, unlanded, site, expired);
+      // NOTE: every row fits the region, so the sender's kernel stored all its weights at once.
+      if (staged >= 0 && with_weights && !weights_landed)
+        weights_landed = wait_until_reported(Landing{&me->staged_weights_landed[lane], a.epoch, 1u, lane}, site, expired);
+    }
+    if (__any_sync(0xffffffffu, expired)) break;
+    // NOTE: orders each lane's acquires before every lane's reads of the rows and weights.
+    __syncwarp();
+
+    const int4* src[kMaxPulledRanks];
+    float weight[kMaxPulledRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxPulledRanks; ++r) {
+      const int row = shfl(pos, r < R ? r : 0);
+      const int64_t index = shfl(staged, r < R ? r : 0);
+      const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
+      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
+      src[r] = nullptr;
+      weight[r] = 0.f;
+      if (r >= R || row < 0) continue;
+      const bool own = r == a.rank;
+      src[r] = own ? reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(row) * a.hidden * 2)
+                   : reinterpret_cast<const int4*>(base + layout.row_offset(index));
+      if (with_weights && lane < K)
+        weight[r] = own ? (a.topk_weights == nullptr ? 0.f : a.topk_weights[static_cast<int64_t>(row) * K + lane])
+                        : ld_cg_f32(reinterpret_cast<const float*>(base + layout.weights_offset(weights_at, K)) + lane);
+    }
+    const int64_t row_units = static_cast<int64_t>(t) * num_units;
+    sum_pulled_copies<kBias>(src, a.rank, num_units,
+                             a.bias_0 == nullptr ? nullptr : static_cast<const int4*>(a.bias_0) + row_units,
+                             a.bias_1 == nullptr ? nullptr : static_cast<const int4*>(a.bias_1) + row_units,
+                             reinterpret_cast<int4*>(a.combined_x) + row_units);
+    if (with_weights && lane < K) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxPulledRanks; ++r)
+        if (src[r] != nullptr) sum += weight[r];
+      a.combined_topk_weights[static_cast<int64_t>(t) * K + lane] = sum;
+    }
+  }
+  reset_claims_when_last(me, R);
 }
 
 __global__ void staging_wait_kernel(StagingWaitArgs a) {
@@ -628,6 +763,8 @@ void load_staged_combine_kernels() {
   cudaFuncAttributes attributes;
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<false>));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staged_reduce_kernel<true>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, pulled_reduce_kernel<false>));
+  CUDA_CHECK(cudaFuncGetAttributes(&attributes, pulled_reduce_kernel<true>));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, staging_wait_kernel));
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, write_word_kernel));
 }
@@ -639,7 +776,14 @@ void launch_staged_reduce(const StagedReduceArgs& args, int num_blocks, cudaStre
                                                            << args.hidden);
   EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "top-k must be at most " << kMaxTopk);
   EP_CHECK_ARG(num_blocks >= 1, "the reduction needs at least one SM");
-  if (args.num_ranks == 2 && args.bias_0 == nullptr && args.bias_1 == nullptr)
+  const bool bias = args.bias_0 != nullptr || args.bias_1 != nullptr;
+  EP_CHECK_ARG(!args.pull_rows || args.num_ranks <= kMaxPulledRanks,
+               "pulled rows serve at most " << kMaxPulledRanks << " ranks, got " << args.num_ranks);
+  if (args.pull_rows && bias)
+    pulled_reduce_kernel<true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  else if (args.pull_rows)
+    pulled_reduce_kernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
+  else if (args.num_ranks == 2 && !bias)
     staged_reduce_kernel<true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
   else
     staged_reduce_kernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);

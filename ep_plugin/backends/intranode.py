@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..output_region import OutputRegion
-from ..tuning import MAX_TOPK, Config, output_region_bytes, staging_bytes
+from ..tuning import MAX_TOPK, Config, output_region_bytes, pulls_rows, staging_bytes
 from ..validation import FP8_DTYPE
 from .native_common import NativeBase, OutputGroup, _C, _C_torch, address_of, local_experts, raise_failure
 
@@ -77,6 +77,7 @@ class NativeHandle:
     notify: NotifyOutputs            # send_pos, recv_rank_offsets, src_num_tokens, the received count
     recv_src_idx: torch.Tensor       # [rows] int32: source token of each received row (-1 padding)
     num_recv_per_rank: Optional[List[int]] = None  # rows from each source rank, when known on the host
+    largest_block_rows: int = 0  # with num_recv_per_rank: the most rows any rank received from any one rank
     own_runs: Optional[object] = None  # _C.OwnRuns: runs of tokens this rank sends itself (copy engine, few SMs)
 
     @property
@@ -245,11 +246,13 @@ class IntranodeMode(NativeBase):
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch.launch(
             rows, own_runs_tag=host_tag)
         # The counts' lists are built after the launch: the GPU waits for nothing else.
-        per_rank, per_expert = (None, []) if num_recv is None else runtime.notify_counts(num_local_experts)
+        per_rank, per_expert, largest_block = (None, [], 0) if num_recv is None else runtime.notify_counts(
+            num_local_experts)
         self.last_dispatch_path = dispatch.path
         handle = NativeHandle(owner=self, num_tokens=T, num_recv_rows=rows, num_recv_tokens=num_recv,
                               num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank,
                               notify=notify, recv_src_idx=recv_src_idx, num_recv_per_rank=per_rank,
+                              largest_block_rows=largest_block,
                               own_runs=dispatch.own_runs)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
 
@@ -361,7 +364,7 @@ class IntranodeMode(NativeBase):
         outputs = (address_of(bias_0), address_of(bias_1), address_of(combined_x), address_of(combined_weights))
         if self._copy_engine_combine_possible(handle, hidden):
             self._staged_combine(read, handle, outputs, config)
-            self.last_combine_path = "copy_engine"
+            self.last_combine_path = "pull" if pulls_rows(self.info.num_ranks) else "copy_engine"
         else:
             self.last_combine_path = "sm"
             self._sm_combine_read(read, handle, outputs, config)
@@ -395,12 +398,15 @@ class IntranodeMode(NativeBase):
         """Whether this combine goes through the copy engines (the same answer on every rank).
 
         It needs the received rows per source on the host (a dispatch that waited for its counts,
-        not `num_worst_tokens`), a staging area that holds two pieces of rows, and no graph capture:
+        not `num_worst_tokens`), a staging area that holds two pieces of rows (where the owners pull
+        them: every row any rank sends any owner, a count every rank knows alike), and no graph capture:
         the host numbers each combine, and a replayed graph would repeat the numbers.
         """
-        return (self._staging_bytes > 0 and handle.num_recv_per_rank is not None and self.info.num_ranks > 1
-                and self._intranode().staging_rows(self._staging_bytes, hidden) > 0
-                and not torch.cuda.is_current_stream_capturing())
+        if (self._staging_bytes == 0 or handle.num_recv_per_rank is None or self.info.num_ranks < 2
+                or torch.cuda.is_current_stream_capturing()):
+            return False
+        rows = self._intranode().staging_rows(self._staging_bytes, hidden)
+        return rows > 0 and (not pulls_rows(self.info.num_ranks) or handle.largest_block_rows <= rows)
 
     def _staged_combine(self, read: tuple, handle: NativeHandle, outputs: tuple, config: Config) -> None:
         """The copy-engine combine on addresses, as _sm_combine_read takes them."""
@@ -414,6 +420,7 @@ class IntranodeMode(NativeBase):
         args.num_tokens = handle.num_tokens
         args.send_pos = handle.notify.send_pos_address
         args.bias_0, args.bias_1, args.combined_x, args.combined_topk_weights = outputs
+        args.pull_rows = pulls_rows(self.info.num_ranks)
         self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
                                          self._side_stream.cuda_stream)
 

@@ -66,7 +66,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self._staging_bytes = 0
         self._outputs: Optional[OutputRegion] = None  # direct dispatch (buffer.dispatch_output_bytes)
         self._side_stream: Optional[torch.cuda.Stream] = None
-        self.last_combine_path = ""  # "copy_engine" or "sm" (intranode combine; for tests and logs)
+        self.last_combine_path = ""  # "copy_engine", "pull" or "sm" (intranode combine; for tests and logs)
         self.last_dispatch_path = ""  # "direct" or "rings" (intranode dispatch; for tests and logs)
         self._ll = None
         self._ll_parity = 0
