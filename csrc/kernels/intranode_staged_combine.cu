@@ -491,19 +491,35 @@ __device__ __forceinline__ void reset_claims_when_last(Header* me, int num_ranks
   }
 }
 
+// What every reduction kernel starts from: this rank's header, the staging layout, the site of its waits
+// and, in lane s < R other than this rank, where source s's rows for it lie.
+struct ReductionStart {
+  Header* me;
+  StagingLayout layout;
+  WaitSite site;
+  bool is_source;
+  const uint8_t* region;
+};
+
+__device__ __forceinline__ ReductionStart reduction_start(const StagedReduceArgs& a) {
+  Header* me = header_of(a.peer_buffers, a.rank);
+  const int lane = lane_id();
+  const StagingLayout layout = StagingLayout::fit(a.num_ranks, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
+  const bool is_source = lane < a.num_ranks && lane != a.rank;
+  return ReductionStart{me, layout,
+                        WaitSite{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1,
+                                 static_cast<int>(threadIdx.x >> 5)},
+                        is_source, is_source ? staged_region(a, layout, a.rank, lane) : nullptr};
+}
+
 // kPair: a combine of 2 ranks without bias, whose tokens have at most two copies (sum_own_and_staged);
 // a token's weights are loaded before its rows and summed after them, so that their latency overlaps.
 template <bool kPair>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(StagedReduceArgs a) {
-  Header* me = header_of(a.peer_buffers, a.rank);
+  const auto [me, layout, site, is_source, region] = reduction_start(a);
   const int lane = lane_id();
-  const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
   const int num_units = a.hidden / 8;
-  const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
-  const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
-  const bool is_source = lane < R && lane != a.rank;
-  const uint8_t* region = is_source ? staged_region(a, layout, a.rank, lane) : nullptr;
   const int4* bias_0 = static_cast<const int4*>(a.bias_0);
   const int4* bias_1 = static_cast<const int4*>(a.bias_1);
   SourceState state;
@@ -664,16 +680,11 @@ __device__ __forceinline__ void sum_pulled_copies(const int4* const (&src)[kMaxP
 // (docs/design.md, "Pulled by the owners").
 template <bool kBias>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) pulled_reduce_kernel(StagedReduceArgs a) {
-  Header* me = header_of(a.peer_buffers, a.rank);
+  const auto [me, layout, site, is_source, region] = reduction_start(a);
   const int lane = lane_id();
-  const int warp = threadIdx.x >> 5;
   const int R = a.num_ranks;
   const int K = a.num_topk;
   const int num_units = a.hidden / 8;
-  const StagingLayout layout = StagingLayout::fit(R, a.staging_offset, a.staging_bytes, 2LL * a.hidden);
-  const WaitSite site{a.status, &me->error_claim, a.timeout_ns, kOpCombine, a.rank, -1, warp};
-  const bool is_source = lane < R && lane != a.rank;
-  const uint8_t* region = is_source ? staged_region(a, layout, a.rank, lane) : nullptr;
   const bool with_weights = a.combined_topk_weights != nullptr;
   SourceState state;
   bool weights_landed = false;  // lane s: source s's stored weights are reported landed
@@ -682,7 +693,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) pulled_reduce_kernel(Stag
 
   const int warps = gridDim.x * (blockDim.x >> 5);
   auto positions = [&](int t) { return lane < R && t < a.num_tokens ? a.send_pos[static_cast<int64_t>(t) * R + lane] : -1; };
-  int t = blockIdx.x * (blockDim.x >> 5) + warp;
+  int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   int pos_ahead = positions(t);
   for (; t < a.num_tokens; t += warps) {
     const int pos = pos_ahead;
