@@ -491,6 +491,21 @@ __device__ __forceinline__ void reset_claims_when_last(Header* me, int num_ranks
   }
 }
 
+// Rank r's copy of a warp's token, from the lane that knows it (r < R; else rank 0's lane): its row in
+// the rank's combine input (-1: none), its staged index and weights index, and the region it lies in.
+struct RankCopy {
+  int row;
+  int64_t index, weights_at;
+  const uint8_t* base;
+};
+
+__device__ __forceinline__ RankCopy rank_copy(int r, int R, int pos, int64_t staged, int64_t weights_index,
+                                              const uint8_t* region) {
+  const int from = r < R ? r : 0;
+  return RankCopy{shfl(pos, from), shfl(staged, from), shfl(weights_index, from),
+                  static_cast<const uint8_t*>(shfl_ptr(region, from))};
+}
+
 // What every reduction kernel starts from: this rank's header, the staging layout, the site of its waits
 // and, in lane s < R other than this rank, where source s's rows for it lie.
 struct ReductionStart {
@@ -595,10 +610,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) staged_reduce_kernel(Stag
       uint32_t unlanded_of[kMaxNvlPeers];
 #pragma unroll
       for (int r = 0; r < kMaxNvlPeers; ++r) {
-        const int row = shfl(pos, r < R ? r : 0);
-        const int64_t index = shfl(staged, r < R ? r : 0);
-        const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
-        const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
+        const auto [row, index, weights_at, base] = rank_copy(r, R, pos, staged, weights_index, region);
         unlanded_of[r] = shfl(unlanded, r < R ? r : 0);
         src[r] = nullptr;
         src_weights[r] = nullptr;
@@ -715,10 +727,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) pulled_reduce_kernel(Stag
     float weight[kMaxPulledRanks];
 #pragma unroll
     for (int r = 0; r < kMaxPulledRanks; ++r) {
-      const int row = shfl(pos, r < R ? r : 0);
-      const int64_t index = shfl(staged, r < R ? r : 0);
-      const int64_t weights_at = shfl(weights_index, r < R ? r : 0);
-      const uint8_t* base = static_cast<const uint8_t*>(shfl_ptr(region, r < R ? r : 0));
+      const auto [row, index, weights_at, base] = rank_copy(r, R, pos, staged, weights_index, region);
       src[r] = nullptr;
       weight[r] = 0.f;
       if (r >= R || row < 0) continue;
