@@ -112,8 +112,10 @@ void IntranodeRuntime::staged_combine(StagedCombineRequest request, cudaStream_t
   if (args.pull_rows) copy_pulled_rows(args, layout);
   launch_reduction(args, request.num_sms, side);
   for (int r = 0; r < R; ++r) {
-    if (r == rank_ || args.pull_rows) continue;
-    copy_later_pieces(args, layout, r, rows_copied[r], copy_streams_[r]);
+    if (r == rank_) continue;
+    if (!args.pull_rows) copy_later_pieces(args, layout, r, rows_copied[r], copy_streams_[r]);
+    // NOTE: the caller's stream waits for every copy out of x: this rank's reduction may end before them
+    // (the owners, not this rank, wait for its pulled rows), and the caller may then reuse x.
     CUDA_CHECK(cudaEventRecord(copy_done_[r], copy_streams_[r]));
     CUDA_CHECK(cudaStreamWaitEvent(stream, copy_done_[r], 0));
     // NOTE: the caller need not wait for the landed words: they touch only the owner's header, and the

@@ -257,8 +257,11 @@ def run_case(native, reference, rank: int, R: int, case: dict, seed: int) -> Non
                      for _ in range(case["bias"]))
         bias = bias[0] if len(bias) == 1 else bias
     combine_config = capped(case.get("combine_config"))
+    combine_input = expert_out.clone()
     poison(native)
-    got_c = native.combine(expert_out, got[4], topk_weights=combine_weights, bias=bias, config=combine_config)
+    got_c = native.combine(combine_input, got[4], topk_weights=combine_weights, bias=bias, config=combine_config)
+    # A caller may reuse the combine's input once the call returns: only stream order protects its rows.
+    combine_input.fill_(float("nan"))
     want_c = reference.combine(expert_out[:n], want[4], topk_weights=want_combine_weights, bias=bias)
     # Across nodes with several ranks per node, each node's partial sum is rounded to bf16 before the
     # network leg (docs/internode.md, as DeepEP): up to 2^-8 of each partial's magnitude, bounded by
