@@ -149,10 +149,9 @@ int64_t IntranodeRuntime::copy_first_round(const intranode::StagedReduceArgs& ar
 
 void IntranodeRuntime::copy_pulled_rows(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout) {
   // NOTE: every owner's rows in kPulledPieces even pieces, queued piece by piece across the owners and all
-  // before the reduction's launch: every owner's first piece lands early. How the pieces go out did not
-  // matter at EP2 (forced to pull, 2x H200, one call, twice each): these, two pieces (a quarter, then the
-  // rest) and the launch ahead of these all took 207.0-208.9 us at 24 SMs and 276.0-279.5 at 8. The
-  // reduction's per-token steps, not the copies, set the pace.
+  // before the reduction's launch: every owner's first piece lands early. How the pieces went out did not
+  // matter in a forced EP2 pull (four pieces, two, or the launch ahead of them: docs/design.md, "Pulled by
+  // the owners"); the reduction, not the copies, sets the pace.
   std::vector<int64_t> copied(num_ranks_, 0);
   for (int piece = 0; piece < kPulledPieces; ++piece) {
     for (int r = 0; r < num_ranks_; ++r) {
