@@ -4,8 +4,8 @@ API: every public method of DeepEP's Buffer exists with the same name, kind (sta
 positional order and defaults; the list comes from DeepEP's buffer.py (parsed with `ast`) where the
 peer sources are present, else from the list checked in here (and the list must match the peer's).
 
-Semantics, on 2 ranks (reference backend over gloo, on the GPUs where there are some; native backend
-on 2 GPUs, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
+Semantics, on EP_TEST_RANKS ranks, default 2 (reference backend over gloo, on the GPUs where there are
+some; native backend on GPUs, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
 set_default_device("cuda")): handle contents against values computed from every rank's inputs,
 dispatch without top-k then cached dispatch and combine with its handle, num_worst_tokens,
 previous_event / async_finish / allocate_on_comm_stream, the low-latency handle, zero_copy, the mask
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from case_runner import assert_case_passed, run_each
+from native_helpers import multi_gpu_ranks
 import ep_plugin
 from ep_plugin import Buffer
 from ep_plugin.handles import DispatchHandle, source_token_index
@@ -32,6 +33,7 @@ from ep_plugin.launch import parallel_launch, rank_slots
 
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 REPO = Path(__file__).resolve().parents[1]
+RANKS = multi_gpu_ranks()
 PEER_CANDIDATES = [REPO.parent / "shared" / "peers" / "deepep-v1", Path("/work/shared/peers/deepep-v1")]
 
 # DeepEP V1's public Buffer API: (method, is staticmethod, ((parameter, default source or None), ...)).
@@ -475,11 +477,12 @@ def case_mask_buffer(ctx: Ctx) -> None:
         ctx.normal.low_latency_clean_mask_buffer()
     with pytest.raises(ValueError, match="rank_to_mask"):
         ctx.ll.low_latency_update_mask_buffer(ctx.R)
-    other = 1 - ctx.rank
-    ctx.ll.low_latency_update_mask_buffer(other, True)
+    for other in range(ctx.R):
+        if other != ctx.rank:
+            ctx.ll.low_latency_update_mask_buffer(other, True)
     ctx.ll.low_latency_query_mask_buffer(status)
-    assert status.tolist() == [int(r == other) for r in range(ctx.R)]
-    # Each rank masks the other: tokens reach only this rank's experts; the others' count as zero.
+    assert status.tolist() == [int(r != ctx.rank) for r in range(ctx.R)]
+    # Each rank masks all the others: tokens reach only this rank's experts; the others' count as zero.
     mine = ctx.mine(ctx.inputs())
     num_local = E // ctx.R
     recv_x, recv_count, handle, _, _ = ctx.ll.low_latency_dispatch(mine["x"], mine["topk_idx"], T_MAX, E,
@@ -547,13 +550,13 @@ _RESULTS: Dict[str, list] = {}
 def results_for(backend: str) -> list:
     if backend not in _RESULTS:
         # NOTE: native ranks take NCCL on GPUs of their own, gloo where they share one under MPS.
-        _RESULTS[backend] = parallel_launch(2, compat_rank, backend, BASE_SEED,
+        _RESULTS[backend] = parallel_launch(RANKS, compat_rank, backend, BASE_SEED,
                                             backend=None if backend == "native" else "gloo")
     return _RESULTS[backend]
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=pytest.mark.skipif(
-    rank_slots() < 2, reason="the native backend needs 2 ranks on GPUs (own, or shares of one under MPS)"))])
+    rank_slots() < RANKS, reason=f"the native backend needs {RANKS} ranks on GPUs (own, or shares of one under MPS)"))])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepep_semantics(backend, case):
     assert_case_passed(results_for(backend), case, f"{backend}, case {case}, EP_TEST_SEED={BASE_SEED}")
