@@ -141,9 +141,10 @@ class IntranodeRuntime {
                            int owner, cudaStream_t stream);
   // On `stream`, before this combine's first copy for `owner`: its release of the previous combine.
   void wait_for_release(const intranode::StagedReduceArgs& args, int owner, cudaStream_t stream);
-  // Pulled rows (args.pull_rows): every owner's rows into this rank's region for it, in kPulledPieces
-  // pieces each, on the owners' copy streams, before the reduction is launched.
+  // Pulled rows (args.pull_rows): every owner's rows into this rank's region for it, in up to kPulledPieces
+  // pieces of at least kPulledPieceRows rows each, on the owners' copy streams, before the reduction is launched.
   static constexpr int kPulledPieces = 4;
+  static constexpr int64_t kPulledPieceRows = 1024;
   void copy_pulled_rows(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout);
   void copy_later_pieces(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout, int owner,
                          int64_t done, cudaStream_t stream);

@@ -148,15 +148,18 @@ int64_t IntranodeRuntime::copy_first_round(const intranode::StagedReduceArgs& ar
 }
 
 void IntranodeRuntime::copy_pulled_rows(const intranode::StagedReduceArgs& args, const intranode::StagingLayout& layout) {
-  // NOTE: every owner's rows in kPulledPieces even pieces, queued piece by piece across the owners and all
-  // before the reduction's launch: every owner's first piece lands early. How the pieces went out did not
-  // matter in a forced EP2 pull (four pieces, two, or the launch ahead of them: docs/design.md, "Pulled by
-  // the owners"); the reduction, not the copies, sets the pace.
-  std::vector<int64_t> copied(num_ranks_, 0);
+  // NOTE: every owner's rows in even pieces, queued piece by piece across the owners and all before the
+  // reduction's launch: every owner's first piece lands early. How the pieces went out did not matter in a
+  // forced EP2 pull (four pieces, two, or the launch ahead of them: docs/design.md, "Pulled by the owners");
+  // the reduction, not the copies, sets the pace. Each piece costs the host four calls (the copy, its
+  // event, the wait, the landed word), so a small block goes in fewer pieces.
+  std::vector<int64_t> copied(num_ranks_, 0), pieces(num_ranks_, 1);
+  for (int r = 0; r < num_ranks_; ++r)
+    pieces[r] = std::clamp<int64_t>((args.send_rows[r] + kPulledPieceRows - 1) / kPulledPieceRows, 1, kPulledPieces);
   for (int piece = 0; piece < kPulledPieces; ++piece) {
     for (int r = 0; r < num_ranks_; ++r) {
-      if (r == rank_) continue;
-      const int64_t end = args.send_rows[r] * (piece + 1) / kPulledPieces;
+      if (r == rank_ || piece >= pieces[r]) continue;
+      const int64_t end = args.send_rows[r] * (piece + 1) / pieces[r];
       copy_piece(args, layout, r, copied[r], copied[r], end - copied[r], copy_streams_[r]);
       copied[r] = end;
     }

@@ -73,9 +73,24 @@ STAGING_MAX_RANKS = 4
 PULL_MIN_RANKS = 3
 
 
+# A combine whose largest block (the most rows any rank sends any one owner, times their bytes; the same
+# count on every rank) is smaller takes the rings: the copy engines' host side (about 50 us a combine at 2
+# ranks, 90 us pulled at 4, against the rings' 30) would outlast the rings' GPU time, and eager calls would
+# wait for the host (docs/design.md, "Small combines").
+COPY_ENGINE_MIN_BLOCK_BYTES = 4 << 20
+PULL_MIN_BLOCK_BYTES = 16 << 20
+
+
 def pulls_rows(num_ranks: int) -> bool:
     """Whether a copy-engine combine of `num_ranks` ranks has its owners pull the rows (StagedReduceArgs.pull_rows)."""
     return num_ranks >= PULL_MIN_RANKS
+
+
+def block_takes_copy_engines(num_ranks: int, largest_block_rows: int, hidden: int) -> bool:
+    """Whether a combine whose largest block has `largest_block_rows` bf16 rows of `hidden` is large enough for
+    the copy engines at `num_ranks` ranks."""
+    least = PULL_MIN_BLOCK_BYTES if pulls_rows(num_ranks) else COPY_ENGINE_MIN_BLOCK_BYTES
+    return largest_block_rows * 2 * hidden >= least
 
 
 def staging_tokens(buffer, num_ranks: int) -> int:

@@ -11,6 +11,7 @@ from typing import Callable, Tuple
 import pytest
 import torch
 
+from ep_plugin import tuning
 from ep_plugin.fp8 import quantize
 from ep_plugin.tuning import Config
 from ep_plugin.launch import RANKS_PER_GPU_ENV, finish_rank, rank_slots
@@ -52,6 +53,13 @@ def capped(config):
         return config
     return Config(cap, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                   config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+
+def copy_engines_at_any_size() -> None:
+    """In this process (a spawned rank): combines of any size take the copy engines where those can serve them.
+    The cases are smaller than the blocks that pay for the copies' host side by default
+    (tuning.COPY_ENGINE_MIN_BLOCK_BYTES), and would all take the rings."""
+    tuning.COPY_ENGINE_MIN_BLOCK_BYTES = tuning.PULL_MIN_BLOCK_BYTES = 0
 
 
 def multi_gpu_ranks() -> int:

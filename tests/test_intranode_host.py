@@ -16,12 +16,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from case_runner import assert_case_passed, run_each
+from native_helpers import copy_engines_at_any_size
 from ep_plugin import Buffer, Config
 from ep_plugin.backends import intranode as intranode_module
 from ep_plugin.backends.intranode import IntranodeMode
 from ep_plugin.bench import random_routing
 from ep_plugin.handles import unwrap
 from ep_plugin.launch import parallel_launch
+from ep_plugin import tuning
 from ep_plugin.tuning import MAX_TOPK
 
 pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
@@ -195,6 +197,23 @@ def case_copy_engine_combine(ctx: Ctx) -> None:
     assert operation == "staged_combine" and rows_from == [T] * ctx.num_ranks and num_sms == CONFIG.num_sms
     _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(), pull_rows=0,
                    combined_x=combined.data_ptr(), combined_topk_weights=combined_weights.data_ptr())
+
+
+def case_small_combine_takes_the_rings(ctx: Ctx) -> None:
+    """A combine whose largest block (the most rows any rank sends any one rank) is below the copy engines'
+    least bytes takes the rings; at that least it takes the engines."""
+    _, outputs, _ = ctx.dispatch()
+    recv_x, _, recv_weights, _, handle, _ = outputs
+    block_bytes = unwrap(handle).largest_block_rows * 2 * HIDDEN
+    paths = []
+    try:
+        for least in (block_bytes + 1, block_bytes):
+            tuning.COPY_ENGINE_MIN_BLOCK_BYTES = least
+            ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
+            paths.append((ctx.runtime().launches[-1][0], ctx.buffers["direct"]._backend.last_combine_path))
+    finally:
+        tuning.COPY_ENGINE_MIN_BLOCK_BYTES = 0
+    assert paths == [("combine", "sm"), ("staged_combine", "copy_engine")], paths
 
 
 def case_full_region_falls_back(ctx: Ctx) -> None:
@@ -411,6 +430,7 @@ def _buffer(group, dispatch_output_bytes) -> Buffer:
 
 def host_worker(rank: int, num_ranks: int, group, seed: int, fast: bool) -> Dict[str, Optional[str]]:
     """Every case on each rank; `fast`: the dispatch's eager fast path open, as on a GPU (a CPU buffer has none)."""
+    copy_engines_at_any_size()
     with stand_in_kernels(StandInLowLatencyRuntime(), intranode=RecordingIntranodeRuntime):
         buffers = {"direct": _buffer(group, "auto"), "small": _buffer(group, SMALL_REGION_BYTES),
                    "rings": _buffer(group, 0)}
@@ -436,16 +456,19 @@ def test_intranode_host(results, case):
 
 def pulled_combine_worker(rank: int, num_ranks: int, group, seed: int) -> List[object]:
     """At 4 ranks: the combine after a dispatch that waited for its counts pulls the rows (pull_rows set) where
-    the most rows any rank sends any owner fit the staging area, and takes the rings where they do not (the
-    stand-in's notify then reports one row more than the area holds, as it would on every rank)."""
+    the most rows any rank sends any owner fit the staging area and make at least the pull's least bytes, and
+    takes the rings where they do not (the stand-in's notify then reports one row more than the area holds,
+    or one row fewer than the least, as it would on every rank)."""
     seen = []
+    least_rows = 8
+    tuning.PULL_MIN_BLOCK_BYTES = least_rows * 2 * HIDDEN
     with stand_in_kernels(StandInLowLatencyRuntime(), intranode=RecordingIntranodeRuntime):
         buffer = _buffer(group, "auto")
         try:
             ctx = Ctx(rank, num_ranks, {"direct": buffer}, seed, fast=False)
             area_rows = ctx.runtime().staging_rows(buffer._backend._staging_bytes, HIDDEN)
             counts = RecordingIntranodeRuntime.notify_counts
-            for largest in (None, area_rows + 1):
+            for largest in (None, area_rows + 1, least_rows - 1):
                 if largest is not None:
                     ctx.runtime().notify_counts = lambda n, largest=largest: counts(ctx.runtime(), n)[:2] + (largest,)
                 _, outputs, _ = ctx.dispatch()
@@ -461,4 +484,5 @@ def pulled_combine_worker(rank: int, num_ranks: int, group, seed: int) -> List[o
 
 def test_pulled_combine_at_four_ranks():
     for seen in parallel_launch(4, pulled_combine_worker, BASE_SEED, backend="gloo", timeout_s=120):
-        assert seen == [("staged_combine", "pull", 1, [T] * 4), ("combine", "sm", None, None)], seen
+        assert seen == [("staged_combine", "pull", 1, [T] * 4), ("combine", "sm", None, None),
+                        ("combine", "sm", None, None)], seen

@@ -16,9 +16,9 @@ from ep_plugin.handles import unwrap
 from ep_plugin import tuning
 from ep_plugin.tuning import output_region_bytes
 from ep_plugin.launch import parallel_launch
-from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, dispatch_and_combine, dispatch_error,
-                            make_inputs, max_test_sms, multi_gpu_ranks, needs_ranks, poison, poison_allocator,
-                            run_case)
+from native_helpers import (NORMAL_MODE_CASES, assert_same, capture_graph, copy_engines_at_any_size,
+                            dispatch_and_combine, dispatch_error, make_inputs, max_test_sms, multi_gpu_ranks,
+                            needs_ranks, poison, poison_allocator, run_case)
 
 RANKS = multi_gpu_ranks()  # 2 unless EP_TEST_RANKS says otherwise
 
@@ -31,6 +31,7 @@ def make_buffers(group, num_sms: int = 24, max_hidden: int = MAX_HIDDEN, timeout
                  check_inputs: bool = True, combine_staging_tokens=4096, dispatch_output_bytes=0,
                  direct_chunk_tokens: int = 1):
     R = group.size()
+    copy_engines_at_any_size()
     num_sms = min(num_sms, max_test_sms() or num_sms)
     num_nvl_bytes = max(Config(num_sms, 8, recv).get_nvl_buffer_size_hint(max_hidden * 2, R) for recv in (64, 256))
     native = Buffer(group, num_nvl_bytes, explicitly_destroy=True,

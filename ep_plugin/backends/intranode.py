@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ..output_region import OutputRegion
-from ..tuning import MAX_TOPK, Config, output_region_bytes, pulls_rows, staging_bytes
+from ..tuning import (MAX_TOPK, Config, block_takes_copy_engines, output_region_bytes, pulls_rows,
+                      staging_bytes)
 from ..validation import FP8_DTYPE
 from .native_common import NativeBase, OutputGroup, _C, _C_torch, address_of, local_experts, raise_failure
 
@@ -398,15 +399,18 @@ class IntranodeMode(NativeBase):
         """Whether this combine goes through the copy engines (the same answer on every rank).
 
         It needs the received rows per source on the host (a dispatch that waited for its counts,
-        not `num_worst_tokens`), a staging area that holds two pieces of rows (where the owners pull
-        them: every row any rank sends any owner, a count every rank knows alike), and no graph capture:
-        the host numbers each combine, and a replayed graph would repeat the numbers.
+        not `num_worst_tokens`), a largest block (the most rows any rank sends any owner, a count every
+        rank knows alike) big enough to pay for the copies' host side, a staging area that holds two
+        pieces of rows (where the owners pull them: that whole block), and no graph capture: the host
+        numbers each combine, and a replayed graph would repeat the numbers.
         """
-        if (self._staging_bytes == 0 or handle.num_recv_per_rank is None or self.info.num_ranks < 2
+        R = self.info.num_ranks
+        if (self._staging_bytes == 0 or handle.num_recv_per_rank is None or R < 2
+                or not block_takes_copy_engines(R, handle.largest_block_rows, hidden)
                 or torch.cuda.is_current_stream_capturing()):
             return False
         rows = self._intranode().staging_rows(self._staging_bytes, hidden)
-        return rows > 0 and (not pulls_rows(self.info.num_ranks) or handle.largest_block_rows <= rows)
+        return rows > 0 and (not pulls_rows(R) or handle.largest_block_rows <= rows)
 
     def _staged_combine(self, read: tuple, handle: NativeHandle, outputs: tuple, config: Config) -> None:
         """The copy-engine combine on addresses, as _sm_combine_read takes them."""
