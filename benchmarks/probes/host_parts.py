@@ -6,6 +6,9 @@ profile_host.py --eager.
 
 --op layout: `get_dispatch_layout`: the whole call, the backend's, its allocations (alone, and as the backend
 makes them: one OutputGroup), a view, the binding call, a launch.
+--op combine: the normal-mode combine (BF16, hidden 7168) and the dispatch with notify before it: the combine
+with one dispatch's outputs on every call, after a fresh dispatch (as programs call it), through the backend
+alone, through the checked path, and through the copy engines whatever its size.
 --op ll_pair: an FP8 `low_latency_dispatch` (hidden 7168) + `low_latency_combine` pair: the pair, each call
 (its partner run untimed), the backend's calls (without Buffer's checks and `_run`), Buffer's checks, `_run`,
 each allocation, the Args (a fresh struct with
@@ -18,6 +21,7 @@ as DeepEP programs do: every piece is then timed under them.
 
     python3 benchmarks/probes/host_parts.py --op ll_pair [--global-defaults]
     python3 benchmarks/probes/host_parts.py --op layout
+    python3 benchmarks/probes/host_parts.py --op combine [--global-defaults]
 """
 from __future__ import annotations
 
@@ -230,7 +234,56 @@ def _ep_plugin_ll_pieces(buffer, device, x, topk_idx, weights, expert_out, last)
     }
 
 
-OPS = {"layout": layout_pieces, "ll_pair": ll_pair_pieces}
+# ---- normal-mode combine ---------------------------------------------------------------------------------------
+def combine_pieces(lib, group, device, topk_idx) -> Tuple[object, Dict[str, Piece]]:
+    buffer = lib.Buffer(group, 1 << 30, 0, explicitly_destroy=True)
+    host = {"generator": torch.Generator().manual_seed(group.rank()), "dtype": torch.float32, "device": "cpu"}
+    x = torch.randn(TOKENS, HIDDEN, **host).to(torch.bfloat16).to(device)
+    weights = torch.rand(TOKENS, TOPK, **host).to(device)
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
+    last = {}  # the last dispatch's rows, weights and handle, for its combine
+
+    def dispatch() -> None:
+        recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=weights)
+        last.update(x=recv_x, weights=recv_weights, handle=handle)
+
+    dispatch()
+    first = dict(last)
+    name = lib.__name__
+    pieces = {f"{name} dispatch (with notify and its wait)": Piece(dispatch),
+              f"{name} combine, one dispatch's outputs each call": Piece(
+                  lambda: buffer.combine(first["x"], first["handle"], first["weights"])),
+              f"{name} combine after a fresh dispatch": Piece(
+                  lambda: buffer.combine(last["x"], last["handle"], last["weights"]), before=dispatch)}
+    if name != "ep_plugin":
+        return buffer, pieces
+    backend, config = buffer._backend, lib.Buffer.get_combine_config(group.size())
+    pieces.update({
+        "backend.unchecked_combine after a fresh dispatch": Piece(
+            lambda: backend.unchecked_combine(last["x"], last["handle"].inner, last["weights"], config),
+            before=dispatch),
+        "the checked path after a fresh dispatch": Piece(lambda: buffer._checked_combine(
+            last["x"], last["handle"], last["weights"], None, config, None, False, False), before=dispatch),
+        "the copy engines' combine after a fresh dispatch": Piece(
+            lambda: _at_any_size(lambda: buffer.combine(last["x"], last["handle"], last["weights"])),
+            before=dispatch)})
+    return buffer, pieces
+
+
+def _at_any_size(call: Callable[[], object]) -> None:
+    """`call` with the copy engines taking combines of any size (a probe's override of ep_plugin.tuning)."""
+    from ep_plugin import tuning
+    least = tuning.COPY_ENGINE_MIN_BLOCK_BYTES, tuning.PULL_MIN_BLOCK_BYTES
+    tuning.COPY_ENGINE_MIN_BLOCK_BYTES = tuning.PULL_MIN_BLOCK_BYTES = 0
+    try:
+        call()
+    finally:
+        tuning.COPY_ENGINE_MIN_BLOCK_BYTES, tuning.PULL_MIN_BLOCK_BYTES = least
+
+
+OPS = {"layout": layout_pieces, "ll_pair": ll_pair_pieces, "combine": combine_pieces}
 
 
 def probe_rank(rank: int, world_size: int, group, op: str, library: str, iters: int,
