@@ -68,7 +68,7 @@ def test_host_parts_parses_its_arguments():
     run = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "host_parts.py"), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "--op {layout,ll_pair}" in run.stdout
+    assert "--op {layout,ll_pair,combine}" in run.stdout
 
 
 def host_parts_worker(rank: int, num_ranks: int, group, op: str, global_defaults: bool) -> str:
@@ -87,3 +87,10 @@ def test_host_parts_pieces_run_on_stand_in_kernels(op, global_defaults):
     lines = parallel_launch(2, host_parts_worker, op, global_defaults, backend="gloo",
                             timeout_s=120)[0].splitlines()
     assert all("p50" in line for line in lines) and len(lines) == (9 if op == "layout" else 21), lines
+
+
+def test_host_parts_combine_pieces_run_on_stand_in_kernels():
+    """The normal combine's pieces (stand-in kernels: the numbers mean nothing)."""
+    pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
+    lines = parallel_launch(2, host_parts_worker, "combine", False, backend="gloo", timeout_s=120)[0].splitlines()
+    assert all("p50" in line for line in lines) and len(lines) == 6, lines
