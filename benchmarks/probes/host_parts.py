@@ -7,8 +7,9 @@ profile_host.py --eager.
 --op layout: `get_dispatch_layout`: the whole call, the backend's, its allocations (alone, and as the backend
 makes them: one OutputGroup), a view, the binding call, a launch.
 --op combine: the normal-mode combine (BF16, hidden 7168) and the dispatch with notify before it: the combine
-with one dispatch's outputs on every call, after a fresh dispatch (as programs call it), through the backend
-alone, through the checked path, and through the copy engines whatever its size.
+with one dispatch's outputs on every call, after a fresh dispatch (as programs call it), both with the explicit
+Configs of a DeepEP program, through the backend alone, through the checked path, and through the copy engines
+whatever its size.
 --op ll_pair: an FP8 `low_latency_dispatch` (hidden 7168) + `low_latency_combine` pair: the pair, each call
 (its partner run untimed), the backend's calls (without Buffer's checks and `_run`), Buffer's checks, `_run`,
 each allocation, the Args (a fresh struct with
@@ -29,15 +30,17 @@ import argparse
 import importlib
 import importlib.util
 import time
+from types import SimpleNamespace
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ep_plugin import validation as V
-from ep_plugin.bench import random_routing
+from ep_plugin.bench import explicit_configs, random_routing
 from ep_plugin.launch import parallel_launch, rank_device
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
+NUM_SMS = 24  # the explicit Configs' (ep_plugin's default)
 SYNC_EVERY = 64  # calls between untimed synchronisations: the launch queue never fills
 
 
@@ -242,30 +245,36 @@ def combine_pieces(lib, group, device, topk_idx) -> Tuple[object, Dict[str, Piec
     weights = torch.rand(TOKENS, TOPK, **host).to(device)
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
     last = {}  # the last dispatch's rows, weights and handle, for its combine
+    # As a DeepEP program passes them (bench --style explicit_config).
+    dispatch_config, combine_config = explicit_configs(lib.Config, SimpleNamespace(num_sms=NUM_SMS), group.size())
 
-    def dispatch() -> None:
+    def dispatch(config=None) -> None:
         recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=weights)
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=weights, config=config)
         last.update(x=recv_x, weights=recv_weights, handle=handle)
 
     dispatch()
     first = dict(last)
     name = lib.__name__
     pieces = {f"{name} dispatch (with notify and its wait)": Piece(dispatch),
+              f"{name} dispatch, an explicit Config": Piece(lambda: dispatch(dispatch_config)),
               f"{name} combine, one dispatch's outputs each call": Piece(
                   lambda: buffer.combine(first["x"], first["handle"], first["weights"])),
               f"{name} combine after a fresh dispatch": Piece(
-                  lambda: buffer.combine(last["x"], last["handle"], last["weights"]), before=dispatch)}
+                  lambda: buffer.combine(last["x"], last["handle"], last["weights"]), before=dispatch),
+              f"{name} the same, both with explicit Configs": Piece(
+                  lambda: buffer.combine(last["x"], last["handle"], last["weights"], config=combine_config),
+                  before=lambda: dispatch(dispatch_config))}
     if name != "ep_plugin":
         return buffer, pieces
-    backend, config = buffer._backend, lib.Buffer.get_combine_config(group.size())
+    backend, default = buffer._backend, lib.Buffer.get_combine_config(group.size())
     pieces.update({
         "backend.unchecked_combine after a fresh dispatch": Piece(
-            lambda: backend.unchecked_combine(last["x"], last["handle"].inner, last["weights"], config),
+            lambda: backend.unchecked_combine(last["x"], last["handle"].inner, last["weights"], default),
             before=dispatch),
         "the checked path after a fresh dispatch": Piece(lambda: buffer._checked_combine(
-            last["x"], last["handle"], last["weights"], None, config, None, False, False), before=dispatch),
+            last["x"], last["handle"], last["weights"], None, default, None, False, False), before=dispatch),
         "the copy engines' combine after a fresh dispatch": Piece(
             lambda: _at_any_size(lambda: buffer.combine(last["x"], last["handle"], last["weights"])),
             before=dispatch)})
