@@ -490,6 +490,7 @@ class Buffer:
                                       topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                                       previous_event, async_finish, allocate_on_comm_stream)
 
+    @_without_device_mode
     def _unchecked_dispatch(self, fast, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                             topk_idx, topk_weights, expert_alignment, config):
         """dispatch through the backend's eager fast path (backends/intranode.py), or None where the checked
@@ -606,13 +607,21 @@ class Buffer:
         fast = self._unchecked_normal
         if (fast is not None and bias is None and previous_event is None and not async_finish
                 and not allocate_on_comm_stream and handle.__class__ is DispatchHandle and self._plain_call()):
-            combine_config = self._default_config("combine") if config is None else config
-            if combine_config.__class__ is Config:
-                done = fast.unchecked_combine(x, handle.inner, topk_weights, combine_config)
-                if done is not None:
-                    return done[0], done[1], EventOverlap(None)
+            done = self._unchecked_combine(fast, x, handle, topk_weights, config)
+            if done is not None:
+                return done
         return self._checked_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                      allocate_on_comm_stream)
+
+    @_without_device_mode
+    def _unchecked_combine(self, fast, x, handle, topk_weights, config):
+        """combine through the backend's eager fast path, or None where the checked path must run (having
+        launched nothing)."""
+        config = self._default_config("combine") if config is None else config
+        if config.__class__ is not Config:
+            return None
+        done = fast.unchecked_combine(x, handle.inner, topk_weights, config)
+        return None if done is None else (done[0], done[1], EventOverlap(None))
 
     @_without_device_mode
     def _checked_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
@@ -730,8 +739,8 @@ class Buffer:
 
     def _plain_call(self) -> bool:
         """Whether a call may take the backend's fast path: the current GPU is the buffer's and
-        no torch-function mode but a default-device one is active (the fast path makes no torch call
-        from Python)."""
+        no torch-function mode but a default-device one is active (the fast paths make few torch calls
+        from Python; the normal mode's run with the mode off, `_without_device_mode`)."""
         return _current_device() == self._info.device.index and (not _function_mode_enabled() or _only_device_modes())
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
 
 from case_runner import assert_case_passed, run_each
 from native_helpers import copy_engines_at_any_size
@@ -411,6 +412,18 @@ def case_dispatch_fast_path(ctx: Ctx) -> None:
         handle = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)[4]
         buffer.dispatch(x, handle=handle)
     assert seen == ["data_ptr"], seen
+    # Under torch.set_default_device's mode alone, the dispatch and the combine run with it off: none passes.
+    seen.clear()
+
+    def through_device_mode(mode, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+    with mock.patch.object(DeviceContext, "__torch_function__", through_device_mode), DeviceContext("cpu"):
+        _, _, recv_weights, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+        buffer.dispatch(x, handle=handle)
+        buffer.combine(expert_out, handle, recv_weights)
+    assert seen == [], seen
 
 
 CASES = [name for name in globals() if name.startswith("case_")]
