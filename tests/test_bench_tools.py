@@ -1,5 +1,5 @@
-"""The Megatron layer benchmark's bookkeeping, benchmarks/probes/trace_gaps.py and benchmarks/probes/host_parts.py,
-on CPU (no GPU, no Megatron)."""
+"""The Megatron layer benchmark's bookkeeping, benchmarks/probes/trace_gaps.py, benchmarks/probes/host_parts.py and
+benchmarks/probes/eager_rounds.py, on CPU (no GPU, no Megatron)."""
 import importlib.util
 import json
 import subprocess
@@ -94,3 +94,34 @@ def test_host_parts_combine_pieces_run_on_stand_in_kernels():
     pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
     lines = parallel_launch(2, host_parts_worker, "combine", False, backend="gloo", timeout_s=120)[0].splitlines()
     assert all("p50" in line for line in lines) and len(lines) == 8, lines
+
+
+def test_eager_rounds_times_each_round_from_its_start_to_the_next():
+    eager_rounds = _load("probes/eager_rounds")
+    # Rounds start every 100 us but one, which takes 300; each call's host time grows by 1 us a round.
+    starts = [0, 100, 200, 500, 600, 700]
+    stamps = [(t * 1e-6, (t + 10 + i) * 1e-6, (t + 60 + 2 * i) * 1e-6, (t + 90 + 2 * i) * 1e-6)  # 10+i, 50+i, 30
+              for i, t in enumerate(starts)]
+    stats = eager_rounds.round_stats(stamps)
+    assert [round(stats[q], 6) for q in ("p10", "p50", "p90")] == [100.0, 100.0, 300.0]
+    # Six rounds: the median is the third of each call's sorted times (as the bench's quantiles round).
+    assert [round(stats[call], 6) for call in ("layout", "dispatch", "combine")] == [12.0, 52.0, 30.0]
+
+
+def eager_rounds_worker(rank: int, num_ranks: int, group, explicit: bool, global_defaults: bool) -> list:
+    from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels
+    eager_rounds = _load("probes/eager_rounds")
+    with stand_in_kernels(StandInLowLatencyRuntime()):
+        return eager_rounds.probe_rank(rank, num_ranks, group, ["ep_plugin"], 16, 3, 2, explicit, global_defaults)
+
+
+@pytest.mark.parametrize("explicit, global_defaults", [(True, True), (False, False)],
+                         ids=["deepep_style", "plain"])
+def test_eager_rounds_run_on_stand_in_kernels(explicit, global_defaults):
+    """The probe's rounds run against the current code (stand-in kernels: the numbers mean nothing) and
+    leave torch's global defaults as they found them."""
+    pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
+    lines = parallel_launch(2, eager_rounds_worker, explicit, global_defaults, backend="gloo", timeout_s=120)[0]
+    assert [line.split(":")[0] for line in lines] == ["ep_plugin block 0", "ep_plugin block 1"], lines
+    assert all("round p10" in line and "combine" in line for line in lines), lines
+    assert torch.get_default_dtype() == torch.float32
