@@ -125,3 +125,11 @@ def test_eager_rounds_run_on_stand_in_kernels(explicit, global_defaults):
     assert [line.split(":")[0] for line in lines] == ["ep_plugin block 0", "ep_plugin block 1"], lines
     assert all("round p10" in line and "combine" in line for line in lines), lines
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_eager_rounds_takes_the_libraries_it_is_named():
+    eager_rounds = _load("probes/eager_rounds")
+    assert eager_rounds.parse_args(["--libraries", "deep_ep"]).libraries == ["deep_ep"]
+    assert eager_rounds.parse_args(["--libraries", "ep_plugin,deep_ep"]).libraries == ["ep_plugin", "deep_ep"]
+    with pytest.raises(SystemExit):
+        eager_rounds.parse_args(["--libraries", "deepep"])

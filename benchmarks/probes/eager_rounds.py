@@ -9,10 +9,10 @@ programs do. Such a loop is bound by the host and by each call's GPU latency, no
 The libraries take turns, one block of rounds each (`--blocks` pairs): the host's speed drifts by up to 1.5x
 between blocks on a shared machine, so compare the two blocks of one pair. Per block and rank: the round's wall
 time (p10, p50, p90, from one round's start to the next) and each call's host time (p50). Where `deep_ep` is not
-importable, ep_plugin runs alone.
+importable, ep_plugin runs alone; `--libraries` names them (one alone: each in a launch of its own).
 
     python3 benchmarks/probes/eager_rounds.py [--tokens 128] [--rounds 300] [--blocks 3]
-        [--default-configs] [--no-global-defaults]
+        [--default-configs] [--no-global-defaults] [--libraries ep_plugin,deep_ep]
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from ep_plugin.launch import parallel_launch, rank_device
 HIDDEN, EXPERTS, TOPK, NUM_SMS = 7168, 256, 8, 24
 WARMUP_ROUNDS = 30
 CALLS = ("layout", "dispatch", "combine")
+LIBRARIES = ("ep_plugin", "deep_ep")
 
 
 class Step:
@@ -121,20 +122,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="no Config on the calls (each library's own defaults)")
     parser.add_argument("--no-global-defaults", action="store_true",
                         help="leave torch's default device and dtype alone")
+    parser.add_argument("--libraries", default=None,
+                        help="comma list of ep_plugin and deep_ep (default: both where deep_ep is importable)")
     args = parser.parse_args(argv)
     if args.rounds < 2 or args.blocks < 1:
         parser.error("--rounds must be at least 2 and --blocks at least 1")
+    if args.libraries is None:
+        args.libraries = ["ep_plugin"] + (["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])
+    else:
+        args.libraries = args.libraries.split(",")
+        unknown = sorted(set(args.libraries) - set(LIBRARIES))
+        if unknown or not args.libraries:
+            parser.error(f"--libraries: {', '.join(unknown) or 'none given'}; choose from {', '.join(LIBRARIES)}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    libraries = ["ep_plugin"] + (["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])
     style = ("default Configs" if args.default_configs else "explicit Configs") + (
         "" if args.no_global_defaults else ", global default device and dtype")
     print(f"eager rounds (layout, dispatch, combine) on 2 ranks, {args.tokens} tokens x {HIDDEN}, top-{TOPK} of "
           f"{EXPERTS} experts, {NUM_SMS} SMs, {style}; {args.blocks} blocks of {args.rounds} rounds", flush=True)
-    results = parallel_launch(2, probe_rank, libraries, args.tokens, args.rounds, args.blocks,
+    results = parallel_launch(2, probe_rank, args.libraries, args.tokens, args.rounds, args.blocks,
                               not args.default_configs, not args.no_global_defaults, timeout_s=300)
     for rank, lines in enumerate(results):
         print(f"rank {rank}")
