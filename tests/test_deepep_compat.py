@@ -5,7 +5,7 @@ positional order and defaults; the list comes from DeepEP's buffer.py (parsed wi
 peer sources are present, else from the list checked in here (and the list must match the peer's).
 
 Semantics, on EP_TEST_RANKS ranks, default 2 (reference backend over gloo, on the GPUs where there are
-some; native backend on GPUs, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
+some; native backend on GPUs with the NVSHMEM extension, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
 set_default_device("cuda")): handle contents against values computed from every rank's inputs,
 dispatch without top-k then cached dispatch and combine with its handle, num_worst_tokens,
 previous_event / async_finish / allocate_on_comm_stream, the low-latency handle, zero_copy, the mask
@@ -30,6 +30,13 @@ import ep_plugin
 from ep_plugin import Buffer
 from ep_plugin.handles import DispatchHandle, source_token_index
 from ep_plugin.launch import parallel_launch, rank_slots
+
+# The native cases' low-latency Buffer needs the NVSHMEM extension (test_native_low_latency.py fails where
+# NVSHMEM and nvcc are installed but the extension was not built, unless EP_PLUGIN_SKIP_NVSHMEM=1 asked so).
+try:
+    from ep_plugin import _C_nvshmem
+except ImportError:
+    _C_nvshmem = None
 
 BASE_SEED = int(os.environ.get("EP_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 REPO = Path(__file__).resolve().parents[1]
@@ -555,8 +562,10 @@ def results_for(backend: str) -> list:
     return _RESULTS[backend]
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=pytest.mark.skipif(
-    rank_slots() < RANKS, reason=f"the native backend needs {RANKS} ranks on GPUs (own, or shares of one under MPS)"))])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=[
+    pytest.mark.skipif(rank_slots() < RANKS,
+                       reason=f"the native backend needs {RANKS} ranks on GPUs (own, or shares of one under MPS)"),
+    pytest.mark.skipif(_C_nvshmem is None, reason="its low-latency Buffer needs ep_plugin._C_nvshmem, not built here")])])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepep_semantics(backend, case):
     assert_case_passed(results_for(backend), case, f"{backend}, case {case}, EP_TEST_SEED={BASE_SEED}")
