@@ -122,7 +122,8 @@ def case_bf16_dispatch_direct(ctx: Ctx) -> None:
                    topk_idx=topk_idx.data_ptr(), num_tokens=T, num_topk=TOPK, num_experts=NUM_EXPERTS,
                    expert_alignment=1, num_worst_tokens=0, send_pos=inner.send_pos.data_ptr(),
                    recv_rank_offsets=inner.recv_rank_offsets.data_ptr(),
-                   src_num_tokens=inner.src_num_tokens.data_ptr(), num_recv_tokens=inner.num_recv_device.data_ptr())
+                   src_num_tokens=inner.src_num_tokens.data_ptr(), num_recv_tokens=inner.num_recv_device.data_ptr(),
+                   row_layout=intranode_module._C.pack_row_layout(HIDDEN * 2, 0, TOPK, True))
     assert calls[1][2] == (notify["host_tag"],) and notify["host_tag"] > 0
     assert calls[3][2] == (ctx.num_local,)
     assert calls[2][2] == (ctx.rows, True)
@@ -183,9 +184,17 @@ def case_num_worst_tokens(ctx: Ctx) -> None:
     combined, combined_weights, _ = ctx.buffers["direct"].combine(recv_x, handle, recv_weights, config=CONFIG)
     operation, fields, _ = ctx.runtime().launches[-1]
     assert operation == "combine" and combined.shape == (T, HIDDEN) and combined_weights.shape == (T, TOPK)
+    inner = unwrap(handle)
     _expect_fields(fields, x=recv_x.data_ptr(), topk_weights=recv_weights.data_ptr(), num_tokens=T, hidden=HIDDEN,
-                   num_topk=TOPK, recv_src_idx=unwrap(handle).recv_src_idx.data_ptr(),
+                   num_topk=TOPK, recv_src_idx=inner.recv_src_idx.data_ptr(),
+                   recv_rank_offsets=inner.recv_rank_offsets.data_ptr(), src_num_tokens=inner.src_num_tokens.data_ptr(),
+                   send_pos=inner.send_pos.data_ptr(), bias_0=0, bias_1=0, num_channels=CONFIG.num_channels,
+                   recv_tokens_per_channel=CONFIG.num_max_nvl_chunked_recv_tokens,
+                   send_chunk=CONFIG.num_max_nvl_chunked_send_tokens,
                    combined_x=combined.data_ptr(), combined_topk_weights=combined_weights.data_ptr())
+    bias = torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.ones(T, HIDDEN, dtype=torch.bfloat16)
+    ctx.buffers["direct"].combine(recv_x, handle, recv_weights, bias=bias, config=CONFIG)
+    _expect_fields(ctx.runtime().launches[-1][1], bias_0=bias[0].data_ptr(), bias_1=bias[1].data_ptr())
 
 
 def case_copy_engine_combine(ctx: Ctx) -> None:
@@ -499,3 +508,22 @@ def test_pulled_combine_at_four_ranks():
     for seen in parallel_launch(4, pulled_combine_worker, BASE_SEED, backend="gloo", timeout_s=120):
         assert seen == [("staged_combine", "pull", 1, [T] * 4), ("combine", "sm", None, None),
                         ("combine", "sm", None, None)], seen
+
+
+def _constructor_parameters(cls) -> List[str]:
+    """The parameter names of the binding's constructor that takes the most (pybind's signature)."""
+    import re
+    signatures = re.findall(r"__init__\(self: [\w.]+((?:, \w+: [^,)]+)*)\)", cls.__init__.__doc__)
+    return max((re.findall(r", (\w+): ", params) for params in signatures), key=len)
+
+
+@pytest.mark.parametrize("name", ["NotifyArgs", "DispatchArgs", "CombineArgs"])
+def test_positional_args_constructors_fill_the_fields_their_parameters_name(name):
+    """The eager paths build their Args positionally: each argument lands in the field of its parameter's name
+    (distinct values, so a crossed pair shows)."""
+    from ep_plugin.backends.native_common import _C
+    cls = getattr(_C, name)
+    parameters = _constructor_parameters(cls)
+    values = [1024 + 16 * i for i in range(len(parameters))]
+    args = cls(*values)
+    assert len(parameters) >= 14 and {p: getattr(args, p) for p in parameters} == dict(zip(parameters, values))

@@ -227,17 +227,13 @@ class IntranodeMode(NativeBase):
             self._notify_tag += 1
             host_tag = self._notify_tag
         runtime, stream = self._intranode(), self._stream()
-        args = _C.NotifyArgs()
-        args.is_token_in_rank, args.num_tokens_per_expert = in_rank, per_expert
         # NOTE: without top-k (K = 0) notify reads no id; it still wants an address for T > 0 tokens.
-        args.topk_idx = topk_idx if K > 0 else in_rank
-        args.num_tokens, args.num_topk, args.num_experts = T, K, num_experts
-        args.expert_alignment, args.num_worst_tokens, args.host_tag = expert_alignment, num_worst_tokens, host_tag
-        args.row_layout = _C.pack_row_layout(row_bytes, num_scales, K, has_weights)
-        args.send_pos = notify.send_pos_address
-        args.recv_rank_offsets = notify.recv_rank_offsets_address
-        args.src_num_tokens = notify.src_num_tokens_address
-        args.num_recv_tokens = notify.num_recv_address
+        ids = topk_idx if K > 0 else in_rank
+        row_layout = _C.pack_row_layout(row_bytes, num_scales, K, has_weights)
+        # Positional, in the binding's order (python_api.cpp says why).
+        args = _C.NotifyArgs(in_rank, per_expert, ids, T, K, num_experts, expert_alignment, num_worst_tokens,
+                             row_layout, host_tag, notify.send_pos_address, notify.recv_rank_offsets_address,
+                             notify.src_num_tokens_address, notify.num_recv_address)
         runtime.notify(args, stream)
         # While notify runs: everything the dispatch needs but the received count.
         dispatch = self._prepare_dispatch(payload, (K, topk_idx, has_weights, topk_weights), notify,
@@ -298,17 +294,11 @@ class IntranodeMode(NativeBase):
                        num_worst_tokens, config: Config):
         """A dispatch's Args, every field but the outputs' addresses (recv_*: 0)."""
         T, row_bytes, x, scales, num_scales, scale_token_stride, scale_stride, _ = payload
-        args = _C.DispatchArgs()
-        args.num_channels = config.num_channels
-        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
-        args.send_chunk = config.num_max_nvl_chunked_send_tokens
-        args.num_tokens, args.row_bytes, args.num_scales = T, row_bytes, num_scales
-        args.scale_token_stride, args.scale_stride = scale_token_stride, scale_stride
-        args.num_topk, args.topk_idx, args.topk_weights = topk[0], topk[1], topk[3]
-        args.num_local_experts, args.num_worst_tokens = num_local_experts, num_worst_tokens
-        args.x, args.x_scales = x, scales
-        args.send_pos, args.num_recv_tokens = notify.send_pos_address, notify.num_recv_address
-        return args
+        # Positional, in the binding's order (python_api.cpp says why).
+        return _C.DispatchArgs(config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                               config.num_max_nvl_chunked_send_tokens, T, row_bytes, num_scales, scale_token_stride,
+                               scale_stride, topk[0], topk[1], topk[3], num_local_experts, num_worst_tokens, x, scales,
+                               notify.send_pos_address, notify.num_recv_address)
 
     def _launch_dispatch(self, x, x_scales, topk_idx, topk_weights, notify: NotifyOutputs, recv_x, recv_scales,
                          recv_topk_idx, recv_topk_weights, recv_src_idx, num_local_experts, num_worst_tokens,
@@ -383,16 +373,13 @@ class IntranodeMode(NativeBase):
     def _sm_combine_read(self, read: tuple, handle: NativeHandle, outputs: tuple, config: Config) -> None:
         """_sm_combine on addresses: `read` (x, hidden, K, topk_weights), `outputs` (bias_0, bias_1, combined_x,
         combined_topk_weights)."""
-        args = _C.CombineArgs()
-        args.num_channels = config.num_channels
-        args.recv_tokens_per_channel = config.num_max_nvl_chunked_recv_tokens
-        args.send_chunk = config.num_max_nvl_chunked_send_tokens
-        args.x, args.hidden, args.num_topk, args.topk_weights = read
-        args.num_tokens = handle.num_tokens
         notify = handle.notify
-        args.recv_src_idx, args.recv_rank_offsets = address_of(handle.recv_src_idx), notify.recv_rank_offsets_address
-        args.src_num_tokens, args.send_pos = notify.src_num_tokens_address, notify.send_pos_address
-        args.bias_0, args.bias_1, args.combined_x, args.combined_topk_weights = outputs
+        # Positional, in the binding's order (python_api.cpp says why): the config's rings, `read`, the handle's
+        # layout, `outputs`.
+        args = _C.CombineArgs(config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                              config.num_max_nvl_chunked_send_tokens, *read, handle.num_tokens,
+                              address_of(handle.recv_src_idx), notify.recv_rank_offsets_address,
+                              notify.src_num_tokens_address, notify.send_pos_address, *outputs)
         self._intranode().combine(args, self._stream())
 
     def _copy_engine_combine_possible(self, handle: NativeHandle, hidden: int) -> bool:
