@@ -244,9 +244,29 @@ void bind_combine_args(py::module_& m) {
 }
 
 void bind_staged_reduce_args(py::module_& m) {
-  py::class_<intranode::StagedReduceArgs> cls(m, "StagedReduceArgs",
-                                              "Arguments of IntranodeRuntime.staged_combine (api.cuh).");
-  cls.def(py::init<>())
+  using intranode::StagedReduceArgs;
+  py::class_<StagedReduceArgs> cls(m, "StagedReduceArgs", "Arguments of IntranodeRuntime.staged_combine (api.cuh).");
+  cls.def(py::init([](uintptr_t x, int hidden, int num_topk, uintptr_t topk_weights, int num_tokens, uintptr_t send_pos,
+                      uintptr_t bias_0, uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights,
+                      int pull_rows) {
+            StagedReduceArgs args{};
+            set_address(args.x, x);
+            args.hidden = hidden;
+            args.num_topk = num_topk;
+            set_address(args.topk_weights, topk_weights);
+            args.num_tokens = num_tokens;
+            set_address(args.send_pos, send_pos);
+            set_address(args.bias_0, bias_0);
+            set_address(args.bias_1, bias_1);
+            set_address(args.combined_x, combined_x);
+            set_address(args.combined_topk_weights, combined_topk_weights);
+            args.pull_rows = pull_rows;
+            return args;
+          }),
+          py::arg("x"), py::arg("hidden"), py::arg("num_topk"), py::arg("topk_weights"), py::arg("num_tokens"),
+          py::arg("send_pos"), py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"),
+          py::arg("combined_topk_weights"), py::arg("pull_rows"), kPositionalDoc)
+      .def(py::init<>())
       .def_readwrite("num_tokens", &intranode::StagedReduceArgs::num_tokens)
       .def_readwrite("hidden", &intranode::StagedReduceArgs::hidden)
       .def_readwrite("num_topk", &intranode::StagedReduceArgs::num_topk)

@@ -406,12 +406,9 @@ class IntranodeMode(NativeBase):
         # The reduction uses the config's SMs but leaves one per peer free: each copy stream waits for
         # its owner in a one-thread kernel beside the reduction. The copies use no SM.
         num_sms = min(config.num_sms, self._num_device_sms - (self.info.num_ranks - 1))
-        args = _C.StagedReduceArgs()
-        args.x, args.hidden, args.num_topk, args.topk_weights = read
-        args.num_tokens = handle.num_tokens
-        args.send_pos = handle.notify.send_pos_address
-        args.bias_0, args.bias_1, args.combined_x, args.combined_topk_weights = outputs
-        args.pull_rows = pulls_rows(self.info.num_ranks)
+        # Positional, in the binding's order (python_api.cpp says why).
+        args = _C.StagedReduceArgs(*read, handle.num_tokens, handle.notify.send_pos_address, *outputs,
+                                   pulls_rows(self.info.num_ranks))
         self._intranode().staged_combine(args, handle.num_recv_per_rank, self._staging_bytes, num_sms, self._stream(),
                                          self._side_stream.cuda_stream)
 
