@@ -2,8 +2,9 @@
 //
 // Tensors cross as raw device addresses (ints) with their sizes; ep_plugin/backends checks dtypes,
 // shapes and devices and allocates outputs with torch. Each operation takes its Args struct
-// (kernels/api.cuh), bound here field by field; the runtime checks every address for presence and
-// alignment, naming the argument, before anything is launched.
+// (kernels/api.cuh), bound here field by field (the eager paths' structs also by one positional
+// constructor); the runtime checks every address for presence and alignment, naming the argument,
+// before anything is launched.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
