@@ -141,9 +141,9 @@ void bind_dispatch_args(py::module_& m) {
   py::class_<DispatchArgs> cls(m, "DispatchArgs",
                                "Arguments of IntranodeRuntime.dispatch / direct_dispatch (api.cuh).");
   cls.def(py::init([](int num_channels, int recv_tokens_per_channel, int send_chunk, int num_tokens, int row_bytes,
-                      int num_scales, int64_t scale_token_stride, int64_t scale_stride, int num_topk, uintptr_t topk_idx,
-                      uintptr_t topk_weights, int num_local_experts, int num_worst_tokens, uintptr_t x,
-                      uintptr_t x_scales, uintptr_t send_pos, uintptr_t num_recv_tokens) {
+                      int num_scales, int64_t scale_token_stride, int64_t scale_stride, int num_topk,
+                      uintptr_t topk_idx, uintptr_t topk_weights, int num_local_experts, int num_worst_tokens,
+                      uintptr_t x, uintptr_t x_scales, uintptr_t send_pos, uintptr_t num_recv_tokens) {
             DispatchArgs args{};
             args.num_channels = num_channels;
             args.recv_tokens_per_channel = recv_tokens_per_channel;

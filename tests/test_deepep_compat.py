@@ -5,11 +5,11 @@ positional order and defaults; the list comes from DeepEP's buffer.py (parsed wi
 peer sources are present, else from the list checked in here (and the list must match the peer's).
 
 Semantics, on EP_TEST_RANKS ranks, default 2 (reference backend over gloo, on the GPUs where there are
-some; native backend on GPUs with the NVSHMEM extension, skipped without them), all under torch.set_default_dtype(torch.bfloat16) (and, on GPU,
-set_default_device("cuda")): handle contents against values computed from every rank's inputs,
-dispatch without top-k then cached dispatch and combine with its handle, num_worst_tokens,
-previous_event / async_finish / allocate_on_comm_stream, the low-latency handle, zero_copy, the mask
-buffer, bad input.
+some; native backend on GPUs with the NVSHMEM extension, skipped without them), all under
+torch.set_default_dtype(torch.bfloat16) (and, on GPU, set_default_device("cuda")): handle contents
+against values computed from every rank's inputs, dispatch without top-k then cached dispatch and
+combine with its handle, num_worst_tokens, previous_event / async_finish / allocate_on_comm_stream, the
+low-latency handle, zero_copy, the mask buffer, bad input.
 """
 from __future__ import annotations
 
@@ -565,7 +565,8 @@ def results_for(backend: str) -> list:
 @pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=[
     pytest.mark.skipif(rank_slots() < RANKS,
                        reason=f"the native backend needs {RANKS} ranks on GPUs (own, or shares of one under MPS)"),
-    pytest.mark.skipif(_C_nvshmem is None, reason="its low-latency Buffer needs ep_plugin._C_nvshmem, not built here")])])
+    pytest.mark.skipif(_C_nvshmem is None,
+                       reason="its low-latency Buffer needs ep_plugin._C_nvshmem, not built here")])])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepep_semantics(backend, case):
     assert_case_passed(results_for(backend), case, f"{backend}, case {case}, EP_TEST_SEED={BASE_SEED}")
