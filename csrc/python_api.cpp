@@ -73,212 +73,121 @@ void gather_sum_rows(uintptr_t rows, uintptr_t index, uintptr_t out, int64_t num
   launch_gather_sum_rows(args, num_sms, as_stream(stream));
 }
 
-// Binds field `member` of Args as an integer device address (0: null); the runtime checks it.
+// An Args field the caller fills: a number, or a device address (an int in Python, 0: null; the runtime
+// checks it). Each is a Python attribute and a parameter of the positional constructor (bind_fields).
 template <typename Args, typename T>
-void bind_address(py::class_<Args>& cls, const char* name, T* Args::*member) {
-  cls.def_property(
-      name, [member](const Args& self) { return reinterpret_cast<uintptr_t>(self.*member); },
-      [member](Args& self, uintptr_t address) { self.*member = reinterpret_cast<T*>(address); });
+struct Number {
+  using Param = T;
+  T Args::*member;
+  const char* name;
+  void set(Args& args, T value) const { args.*member = value; }
+  void bind(py::class_<Args>& cls) const { cls.def_readwrite(name, member); }
+};
+
+template <typename Args, typename T>
+struct Address {
+  using Param = uintptr_t;
+  T* Args::*member;
+  const char* name;
+  void set(Args& args, uintptr_t value) const { args.*member = reinterpret_cast<T*>(value); }
+  void bind(py::class_<Args>& cls) const {
+    const auto field = member;
+    cls.def_property(
+        name, [field](const Args& self) { return reinterpret_cast<uintptr_t>(self.*field); },
+        [field](Args& self, uintptr_t value) { self.*field = reinterpret_cast<T*>(value); });
+  }
+};
+
+template <typename Args, typename T>
+Number<Args, T> number(T Args::*member, const char* name) {
+  return {member, name};
 }
 
-template <typename T>
-void set_address(T*& field, uintptr_t address) {
-  field = reinterpret_cast<T*>(address);
+template <typename Args, typename T>
+Address<Args, T> address(T* Args::*member, const char* name) {
+  return {member, name};
 }
 
-// NOTE: the eager paths build their Args in one positional constructor call: setting a dozen fields one by
-// one from Python costs 2-4 us, a keyword call as much; the constructor about 1 us.
-constexpr const char* kPositionalDoc = "Every field the caller fills, positionally in this order.";
+// Binds `fields` as attributes, and a constructor that takes them all positionally in this order (also
+// `Args()`, every field 0). NOTE: the eager paths build their Args so, in one call: setting a dozen fields
+// one by one from Python costs 2-4 us, a keyword call as much; the constructor about 1 us.
+template <typename Args, typename... Fields>
+void bind_fields(py::class_<Args>& cls, Fields... fields) {
+  cls.def(py::init([fields...](typename Fields::Param... values) {
+            Args args{};
+            (fields.set(args, values), ...);
+            return args;
+          }),
+          py::arg(fields.name)..., "Every field the caller fills, positionally in this order.");
+  cls.def(py::init<>());
+  (fields.bind(cls), ...);
+}
 
 // The fields the caller fills (api.cuh says what each holds); the runtime fills the rest.
 void bind_notify_args(py::module_& m) {
   using intranode::NotifyArgs;
   py::class_<NotifyArgs> cls(m, "NotifyArgs", "Arguments of IntranodeRuntime.notify (api.cuh).");
-  cls.def(py::init([](uintptr_t is_token_in_rank, uintptr_t num_tokens_per_expert, uintptr_t topk_idx, int num_tokens,
-                      int num_topk, int num_experts, int expert_alignment, int num_worst_tokens, int64_t row_layout,
-                      int32_t host_tag, uintptr_t send_pos, uintptr_t recv_rank_offsets, uintptr_t src_num_tokens,
-                      uintptr_t num_recv_tokens) {
-            NotifyArgs args{};
-            set_address(args.is_token_in_rank, is_token_in_rank);
-            set_address(args.num_tokens_per_expert, num_tokens_per_expert);
-            set_address(args.topk_idx, topk_idx);
-            args.num_tokens = num_tokens;
-            args.num_topk = num_topk;
-            args.num_experts = num_experts;
-            args.expert_alignment = expert_alignment;
-            args.num_worst_tokens = num_worst_tokens;
-            args.row_layout = row_layout;
-            args.host_tag = host_tag;
-            set_address(args.send_pos, send_pos);
-            set_address(args.recv_rank_offsets, recv_rank_offsets);
-            set_address(args.src_num_tokens, src_num_tokens);
-            set_address(args.num_recv_tokens, num_recv_tokens);
-            return args;
-          }),
-          py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"), py::arg("topk_idx"), py::arg("num_tokens"),
-          py::arg("num_topk"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
-          py::arg("row_layout"), py::arg("host_tag"), py::arg("send_pos"), py::arg("recv_rank_offsets"),
-          py::arg("src_num_tokens"), py::arg("num_recv_tokens"), kPositionalDoc)
-      .def(py::init<>())
-      .def_readwrite("num_tokens", &intranode::NotifyArgs::num_tokens)
-      .def_readwrite("num_topk", &intranode::NotifyArgs::num_topk)
-      .def_readwrite("num_experts", &intranode::NotifyArgs::num_experts)
-      .def_readwrite("expert_alignment", &intranode::NotifyArgs::expert_alignment)
-      .def_readwrite("num_worst_tokens", &intranode::NotifyArgs::num_worst_tokens)
-      .def_readwrite("row_layout", &intranode::NotifyArgs::row_layout)
-      .def_readwrite("host_tag", &intranode::NotifyArgs::host_tag);
-  bind_address(cls, "is_token_in_rank", &intranode::NotifyArgs::is_token_in_rank);
-  bind_address(cls, "num_tokens_per_expert", &intranode::NotifyArgs::num_tokens_per_expert);
-  bind_address(cls, "topk_idx", &intranode::NotifyArgs::topk_idx);
-  bind_address(cls, "send_pos", &intranode::NotifyArgs::send_pos);
-  bind_address(cls, "recv_rank_offsets", &intranode::NotifyArgs::recv_rank_offsets);
-  bind_address(cls, "src_num_tokens", &intranode::NotifyArgs::src_num_tokens);
-  bind_address(cls, "num_recv_tokens", &intranode::NotifyArgs::num_recv_tokens);
+  bind_fields(cls, address(&NotifyArgs::is_token_in_rank, "is_token_in_rank"),
+              address(&NotifyArgs::num_tokens_per_expert, "num_tokens_per_expert"),
+              address(&NotifyArgs::topk_idx, "topk_idx"), number(&NotifyArgs::num_tokens, "num_tokens"),
+              number(&NotifyArgs::num_topk, "num_topk"), number(&NotifyArgs::num_experts, "num_experts"),
+              number(&NotifyArgs::expert_alignment, "expert_alignment"),
+              number(&NotifyArgs::num_worst_tokens, "num_worst_tokens"), number(&NotifyArgs::row_layout, "row_layout"),
+              number(&NotifyArgs::host_tag, "host_tag"), address(&NotifyArgs::send_pos, "send_pos"),
+              address(&NotifyArgs::recv_rank_offsets, "recv_rank_offsets"),
+              address(&NotifyArgs::src_num_tokens, "src_num_tokens"),
+              address(&NotifyArgs::num_recv_tokens, "num_recv_tokens"));
 }
 
 void bind_dispatch_args(py::module_& m) {
   using intranode::DispatchArgs;
   py::class_<DispatchArgs> cls(m, "DispatchArgs",
                                "Arguments of IntranodeRuntime.dispatch / direct_dispatch (api.cuh).");
-  cls.def(py::init([](int num_channels, int recv_tokens_per_channel, int send_chunk, int num_tokens, int row_bytes,
-                      int num_scales, int64_t scale_token_stride, int64_t scale_stride, int num_topk,
-                      uintptr_t topk_idx, uintptr_t topk_weights, int num_local_experts, int num_worst_tokens,
-                      uintptr_t x, uintptr_t x_scales, uintptr_t send_pos, uintptr_t num_recv_tokens) {
-            DispatchArgs args{};
-            args.num_channels = num_channels;
-            args.recv_tokens_per_channel = recv_tokens_per_channel;
-            args.send_chunk = send_chunk;
-            args.num_tokens = num_tokens;
-            args.row_bytes = row_bytes;
-            args.num_scales = num_scales;
-            args.scale_token_stride = scale_token_stride;
-            args.scale_stride = scale_stride;
-            args.num_topk = num_topk;
-            set_address(args.topk_idx, topk_idx);
-            set_address(args.topk_weights, topk_weights);
-            args.num_local_experts = num_local_experts;
-            args.num_worst_tokens = num_worst_tokens;
-            set_address(args.x, x);
-            set_address(args.x_scales, x_scales);
-            set_address(args.send_pos, send_pos);
-            set_address(args.num_recv_tokens, num_recv_tokens);
-            return args;
-          }),
-          py::arg("num_channels"), py::arg("recv_tokens_per_channel"), py::arg("send_chunk"), py::arg("num_tokens"),
-          py::arg("row_bytes"), py::arg("num_scales"), py::arg("scale_token_stride"), py::arg("scale_stride"),
-          py::arg("num_topk"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_local_experts"),
-          py::arg("num_worst_tokens"), py::arg("x"), py::arg("x_scales"), py::arg("send_pos"),
-          py::arg("num_recv_tokens"), kPositionalDoc)
-      .def(py::init<>())
-      .def_readwrite("num_channels", &intranode::DispatchArgs::num_channels)
-      .def_readwrite("recv_tokens_per_channel", &intranode::DispatchArgs::recv_tokens_per_channel)
-      .def_readwrite("send_chunk", &intranode::DispatchArgs::send_chunk)
-      .def_readwrite("num_tokens", &intranode::DispatchArgs::num_tokens)
-      .def_readwrite("row_bytes", &intranode::DispatchArgs::row_bytes)
-      .def_readwrite("num_scales", &intranode::DispatchArgs::num_scales)
-      .def_readwrite("scale_token_stride", &intranode::DispatchArgs::scale_token_stride)
-      .def_readwrite("scale_stride", &intranode::DispatchArgs::scale_stride)
-      .def_readwrite("num_topk", &intranode::DispatchArgs::num_topk)
-      .def_readwrite("num_local_experts", &intranode::DispatchArgs::num_local_experts)
-      .def_readwrite("num_worst_tokens", &intranode::DispatchArgs::num_worst_tokens);
-  bind_address(cls, "x", &intranode::DispatchArgs::x);
-  bind_address(cls, "x_scales", &intranode::DispatchArgs::x_scales);
-  bind_address(cls, "topk_idx", &intranode::DispatchArgs::topk_idx);
-  bind_address(cls, "topk_weights", &intranode::DispatchArgs::topk_weights);
-  bind_address(cls, "send_pos", &intranode::DispatchArgs::send_pos);
-  bind_address(cls, "recv_x", &intranode::DispatchArgs::recv_x);
-  bind_address(cls, "recv_x_scales", &intranode::DispatchArgs::recv_x_scales);
-  bind_address(cls, "recv_topk_idx", &intranode::DispatchArgs::recv_topk_idx);
-  bind_address(cls, "recv_topk_weights", &intranode::DispatchArgs::recv_topk_weights);
-  bind_address(cls, "recv_src_idx", &intranode::DispatchArgs::recv_src_idx);
-  bind_address(cls, "num_recv_tokens", &intranode::DispatchArgs::num_recv_tokens);
+  bind_fields(cls, number(&DispatchArgs::num_channels, "num_channels"),
+              number(&DispatchArgs::recv_tokens_per_channel, "recv_tokens_per_channel"),
+              number(&DispatchArgs::send_chunk, "send_chunk"), number(&DispatchArgs::num_tokens, "num_tokens"),
+              number(&DispatchArgs::row_bytes, "row_bytes"), number(&DispatchArgs::num_scales, "num_scales"),
+              number(&DispatchArgs::scale_token_stride, "scale_token_stride"),
+              number(&DispatchArgs::scale_stride, "scale_stride"), number(&DispatchArgs::num_topk, "num_topk"),
+              address(&DispatchArgs::topk_idx, "topk_idx"), address(&DispatchArgs::topk_weights, "topk_weights"),
+              number(&DispatchArgs::num_local_experts, "num_local_experts"),
+              number(&DispatchArgs::num_worst_tokens, "num_worst_tokens"), address(&DispatchArgs::x, "x"),
+              address(&DispatchArgs::x_scales, "x_scales"), address(&DispatchArgs::send_pos, "send_pos"),
+              address(&DispatchArgs::num_recv_tokens, "num_recv_tokens"));
+  // The outputs: set once they are placed (place_direct_outputs, or from Python).
+  address(&DispatchArgs::recv_x, "recv_x").bind(cls);
+  address(&DispatchArgs::recv_x_scales, "recv_x_scales").bind(cls);
+  address(&DispatchArgs::recv_topk_idx, "recv_topk_idx").bind(cls);
+  address(&DispatchArgs::recv_topk_weights, "recv_topk_weights").bind(cls);
+  address(&DispatchArgs::recv_src_idx, "recv_src_idx").bind(cls);
 }
 
 void bind_combine_args(py::module_& m) {
   using intranode::CombineArgs;
   py::class_<CombineArgs> cls(m, "CombineArgs", "Arguments of IntranodeRuntime.combine (api.cuh).");
-  cls.def(py::init([](int num_channels, int recv_tokens_per_channel, int send_chunk, uintptr_t x, int hidden,
-                      int num_topk, uintptr_t topk_weights, int num_tokens, uintptr_t recv_src_idx,
-                      uintptr_t recv_rank_offsets, uintptr_t src_num_tokens, uintptr_t send_pos, uintptr_t bias_0,
-                      uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights) {
-            CombineArgs args{};
-            args.num_channels = num_channels;
-            args.recv_tokens_per_channel = recv_tokens_per_channel;
-            args.send_chunk = send_chunk;
-            set_address(args.x, x);
-            args.hidden = hidden;
-            args.num_topk = num_topk;
-            set_address(args.topk_weights, topk_weights);
-            args.num_tokens = num_tokens;
-            set_address(args.recv_src_idx, recv_src_idx);
-            set_address(args.recv_rank_offsets, recv_rank_offsets);
-            set_address(args.src_num_tokens, src_num_tokens);
-            set_address(args.send_pos, send_pos);
-            set_address(args.bias_0, bias_0);
-            set_address(args.bias_1, bias_1);
-            set_address(args.combined_x, combined_x);
-            set_address(args.combined_topk_weights, combined_topk_weights);
-            return args;
-          }),
-          py::arg("num_channels"), py::arg("recv_tokens_per_channel"), py::arg("send_chunk"), py::arg("x"),
-          py::arg("hidden"), py::arg("num_topk"), py::arg("topk_weights"), py::arg("num_tokens"),
-          py::arg("recv_src_idx"), py::arg("recv_rank_offsets"), py::arg("src_num_tokens"), py::arg("send_pos"),
-          py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"), py::arg("combined_topk_weights"),
-          kPositionalDoc)
-      .def(py::init<>())
-      .def_readwrite("num_channels", &intranode::CombineArgs::num_channels)
-      .def_readwrite("recv_tokens_per_channel", &intranode::CombineArgs::recv_tokens_per_channel)
-      .def_readwrite("send_chunk", &intranode::CombineArgs::send_chunk)
-      .def_readwrite("num_tokens", &intranode::CombineArgs::num_tokens)
-      .def_readwrite("hidden", &intranode::CombineArgs::hidden)
-      .def_readwrite("num_topk", &intranode::CombineArgs::num_topk);
-  bind_address(cls, "x", &intranode::CombineArgs::x);
-  bind_address(cls, "topk_weights", &intranode::CombineArgs::topk_weights);
-  bind_address(cls, "recv_src_idx", &intranode::CombineArgs::recv_src_idx);
-  bind_address(cls, "recv_rank_offsets", &intranode::CombineArgs::recv_rank_offsets);
-  bind_address(cls, "src_num_tokens", &intranode::CombineArgs::src_num_tokens);
-  bind_address(cls, "send_pos", &intranode::CombineArgs::send_pos);
-  bind_address(cls, "bias_0", &intranode::CombineArgs::bias_0);
-  bind_address(cls, "bias_1", &intranode::CombineArgs::bias_1);
-  bind_address(cls, "combined_x", &intranode::CombineArgs::combined_x);
-  bind_address(cls, "combined_topk_weights", &intranode::CombineArgs::combined_topk_weights);
+  bind_fields(cls, number(&CombineArgs::num_channels, "num_channels"),
+              number(&CombineArgs::recv_tokens_per_channel, "recv_tokens_per_channel"),
+              number(&CombineArgs::send_chunk, "send_chunk"), address(&CombineArgs::x, "x"),
+              number(&CombineArgs::hidden, "hidden"), number(&CombineArgs::num_topk, "num_topk"),
+              address(&CombineArgs::topk_weights, "topk_weights"), number(&CombineArgs::num_tokens, "num_tokens"),
+              address(&CombineArgs::recv_src_idx, "recv_src_idx"),
+              address(&CombineArgs::recv_rank_offsets, "recv_rank_offsets"),
+              address(&CombineArgs::src_num_tokens, "src_num_tokens"), address(&CombineArgs::send_pos, "send_pos"),
+              address(&CombineArgs::bias_0, "bias_0"), address(&CombineArgs::bias_1, "bias_1"),
+              address(&CombineArgs::combined_x, "combined_x"),
+              address(&CombineArgs::combined_topk_weights, "combined_topk_weights"));
 }
 
 void bind_staged_reduce_args(py::module_& m) {
   using intranode::StagedReduceArgs;
   py::class_<StagedReduceArgs> cls(m, "StagedReduceArgs", "Arguments of IntranodeRuntime.staged_combine (api.cuh).");
-  cls.def(py::init([](uintptr_t x, int hidden, int num_topk, uintptr_t topk_weights, int num_tokens, uintptr_t send_pos,
-                      uintptr_t bias_0, uintptr_t bias_1, uintptr_t combined_x, uintptr_t combined_topk_weights,
-                      int pull_rows) {
-            StagedReduceArgs args{};
-            set_address(args.x, x);
-            args.hidden = hidden;
-            args.num_topk = num_topk;
-            set_address(args.topk_weights, topk_weights);
-            args.num_tokens = num_tokens;
-            set_address(args.send_pos, send_pos);
-            set_address(args.bias_0, bias_0);
-            set_address(args.bias_1, bias_1);
-            set_address(args.combined_x, combined_x);
-            set_address(args.combined_topk_weights, combined_topk_weights);
-            args.pull_rows = pull_rows;
-            return args;
-          }),
-          py::arg("x"), py::arg("hidden"), py::arg("num_topk"), py::arg("topk_weights"), py::arg("num_tokens"),
-          py::arg("send_pos"), py::arg("bias_0"), py::arg("bias_1"), py::arg("combined_x"),
-          py::arg("combined_topk_weights"), py::arg("pull_rows"), kPositionalDoc)
-      .def(py::init<>())
-      .def_readwrite("num_tokens", &intranode::StagedReduceArgs::num_tokens)
-      .def_readwrite("hidden", &intranode::StagedReduceArgs::hidden)
-      .def_readwrite("num_topk", &intranode::StagedReduceArgs::num_topk)
-      .def_readwrite("pull_rows", &intranode::StagedReduceArgs::pull_rows);
-  bind_address(cls, "x", &intranode::StagedReduceArgs::x);
-  bind_address(cls, "topk_weights", &intranode::StagedReduceArgs::topk_weights);
-  bind_address(cls, "send_pos", &intranode::StagedReduceArgs::send_pos);
-  bind_address(cls, "bias_0", &intranode::StagedReduceArgs::bias_0);
-  bind_address(cls, "bias_1", &intranode::StagedReduceArgs::bias_1);
-  bind_address(cls, "combined_x", &intranode::StagedReduceArgs::combined_x);
-  bind_address(cls, "combined_topk_weights", &intranode::StagedReduceArgs::combined_topk_weights);
+  bind_fields(cls, address(&StagedReduceArgs::x, "x"), number(&StagedReduceArgs::hidden, "hidden"),
+              number(&StagedReduceArgs::num_topk, "num_topk"), address(&StagedReduceArgs::topk_weights, "topk_weights"),
+              number(&StagedReduceArgs::num_tokens, "num_tokens"), address(&StagedReduceArgs::send_pos, "send_pos"),
+              address(&StagedReduceArgs::bias_0, "bias_0"), address(&StagedReduceArgs::bias_1, "bias_1"),
+              address(&StagedReduceArgs::combined_x, "combined_x"),
+              address(&StagedReduceArgs::combined_topk_weights, "combined_topk_weights"),
+              number(&StagedReduceArgs::pull_rows, "pull_rows"));
 }
 
 int runtime_wait_notify(IntranodeRuntime& runtime, int tag, uintptr_t stream) {
