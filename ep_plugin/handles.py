@@ -43,8 +43,8 @@ class _TupleFace:
     __slots__ = ("inner", "_items")
 
     def __init__(self, inner: object, length: int) -> None:
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "_items", [_UNSET] * length)
+        _set_field(self, "inner", inner)
+        _set_field(self, "_items", [_UNSET] * length)
 
     def _compute(self, position: int) -> Any:
         raise NotImplementedError
@@ -78,6 +78,8 @@ class _TupleFace:
 
 
 _UNSET = object()
+# Sets a face's own field (its __setattr__ writes through to the backend's handle).
+_set_field = object.__setattr__
 
 
 class DispatchHandle(_TupleFace):
@@ -93,11 +95,13 @@ class DispatchHandle(_TupleFace):
 
     def __init__(self, inner: object, is_token_in_rank: torch.Tensor, rank: int, intranode: bool,
                  gather_counts: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__(inner, _INTRANODE_POSITIONS if intranode else _INTERNODE_POSITIONS)
-        object.__setattr__(self, "_is_token_in_rank", is_token_in_rank)
-        object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_intranode", intranode)
-        object.__setattr__(self, "_gather_counts", gather_counts)
+        # NOTE: every field set here (no call to the base's __init__): this runs in every dispatch.
+        _set_field(self, "inner", inner)
+        _set_field(self, "_items", [_UNSET] * (_INTRANODE_POSITIONS if intranode else _INTERNODE_POSITIONS))
+        _set_field(self, "_is_token_in_rank", is_token_in_rank)
+        _set_field(self, "_rank", rank)
+        _set_field(self, "_intranode", intranode)
+        _set_field(self, "_gather_counts", gather_counts)
 
     def _compute(self, position: int) -> Any:
         if not self._intranode:
@@ -155,8 +159,8 @@ class LowLatencyHandle(_TupleFace):
 
     def __init__(self, inner: object) -> None:
         # NOTE: the base's fields set here (no call to its __init__): this runs in every low_latency_dispatch.
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "_items", [_UNSET] * _LOW_LATENCY_POSITIONS)
+        _set_field(self, "inner", inner)
+        _set_field(self, "_items", [_UNSET] * _LOW_LATENCY_POSITIONS)
 
     def _compute(self, position: int) -> Any:
         inner = self.inner

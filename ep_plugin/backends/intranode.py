@@ -251,7 +251,7 @@ class IntranodeMode(NativeBase):
                               notify=notify, recv_src_idx=recv_src_idx, num_recv_per_rank=per_rank,
                               largest_block_rows=largest_block,
                               own_runs=dispatch.own_runs)
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle  # notify_counts' new lists
 
     def _notify_words(self, words: int) -> torch.Tensor:
         """NotifyOutputs' int32 words, allocated in C++ (a torch.empty from Python would pass through a
@@ -345,13 +345,13 @@ class IntranodeMode(NativeBase):
     def _combine_read(self, read: tuple, handle: NativeHandle, bias_0, bias_1, config: Config):
         """_intranode_combine on the facts `_inputs.combine` read: (x, hidden, K, topk_weights)."""
         hidden, K = read[1], read[2]
-        T = handle.num_tokens
-        rows_spec = ((-1, hidden), None, torch.bfloat16)
+        group = self._combine_outputs.get((hidden, K))
+        if group is None:
+            group = self._combine_outputs[(hidden, K)] = self._combine_output_group(hidden, K)
         if K == 0:
-            combined_x, = self._output_group((rows_spec,)).empty(T)
-            combined_weights = None
-        else:  # two allocations: a caller that keeps only the weights does not keep the rows
-            combined_x, combined_weights = self._output_group((rows_spec,), (((-1, K), None, torch.float32),)).empty(T)
+            (combined_x,), combined_weights = group.empty(handle.num_tokens), None
+        else:
+            combined_x, combined_weights = group.empty(handle.num_tokens)
         outputs = (address_of(bias_0), address_of(bias_1), address_of(combined_x), address_of(combined_weights))
         if self._copy_engine_combine_possible(handle, hidden):
             self._staged_combine(read, handle, outputs, config)
@@ -360,6 +360,12 @@ class IntranodeMode(NativeBase):
             self.last_combine_path = "sm"
             self._sm_combine_read(read, handle, outputs, config)
         return combined_x, combined_weights
+
+    def _combine_output_group(self, hidden: int, K: int):
+        """The output group of a combine's `[T, hidden]` bf16 rows and, with top-k (K > 0), `[T, K]` float32 weights:
+        two allocations, so that a caller that keeps only the weights does not keep the rows."""
+        rows = (((-1, hidden), None, torch.bfloat16),)
+        return self._output_group(rows, (((-1, K), None, torch.float32),)) if K > 0 else self._output_group(rows)
 
     def _sm_combine(self, x, topk_weights, handle: NativeHandle, bias_0, bias_1, combined_x, combined_weights,
                     config: Config) -> None:
@@ -440,8 +446,11 @@ class DispatchOutputs:
                 self.blocks[index >= self._ROWS].append((index, max(width, 1) * dtype.itemsize, width > 0))
         if not self.blocks[1]:
             del self.blocks[1]
-        self.placed = [output for block in self.blocks for output in block]  # in the order of the capsules
-        self.placed_dtypes = [self.columns[index][1] for index, _, _ in self.placed]
+        placed = [index for block in self.blocks for index, _, _ in block]  # in the order of the capsules
+        self.placed_dtypes = [self.columns[index][1] for index in placed]
+        # NOTE: the blocks hold their columns in order, so the capsules come in column order: a call's outputs
+        # are its tensors with a None inserted at each absent column, in ascending order.
+        self.absent = [index for index, column in enumerate(self.columns) if column is None]
 
 
 class PreparedDispatch:
@@ -483,12 +492,11 @@ class PreparedDispatch:
         return outputs
 
     def _from_capsules(self, capsules: list) -> List[Optional[torch.Tensor]]:
-        tensors = _C_torch.region_tensors(capsules, self.outputs.placed_dtypes)
-        if tensors.__class__ is tuple:
-            raise_failure(tensors)
-        outputs: List[Optional[torch.Tensor]] = [None] * len(self.outputs.columns)
-        for (index, _, _), tensor in zip(self.outputs.placed, tensors):
-            outputs[index] = tensor
+        outputs = _C_torch.region_tensors(capsules, self.outputs.placed_dtypes)
+        if outputs.__class__ is tuple:
+            raise_failure(outputs)
+        for index in self.outputs.absent:
+            outputs.insert(index, None)
         return outputs
 
     def _ordinary(self, rows: int) -> List[Optional[torch.Tensor]]:

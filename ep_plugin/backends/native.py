@@ -76,6 +76,7 @@ class NativeBackend(InternodeMode, LowLatencyMode):
         self._layout_calls = {}  # get_dispatch_layout's fast path: _C_torch.LayoutCalls per expert count
         self._inputs = _C_torch.NormalInputs(info.device, MAX_TOPK)  # the dispatch's tensors read in C++
         self._dispatch_outputs = {}  # DispatchOutputs per kind of dispatch (intranode.py)
+        self._combine_outputs = {}  # the intranode combine's output group per (hidden, top-k) (intranode.py)
         self._ll_split = False  # launch send and receive as two kernels even without a hook (_start_low_latency)
         self._net = None
         self._net_tag = 0
