@@ -108,22 +108,38 @@ def test_eager_rounds_times_each_round_from_its_start_to_the_next():
     assert [round(stats[call], 6) for call in ("layout", "dispatch", "combine")] == [12.0, 52.0, 30.0]
 
 
-def eager_rounds_worker(rank: int, num_ranks: int, group, explicit: bool, global_defaults: bool) -> list:
+def test_eager_rounds_reports_the_calls_of_its_rounds():
+    eager_rounds = _load("probes/eager_rounds")
+    # Dispatch-only rounds: a start and the dispatch's end per round, every 80 us, the dispatch taking 60 + i.
+    stamps = [(t * 1e-6, (t + 60 + i) * 1e-6) for i, t in enumerate(range(0, 400, 80))]
+    stats = eager_rounds.round_stats(stamps, eager_rounds.DISPATCH_ONLY)
+    assert round(stats["p50"], 6) == 80.0 and round(stats["dispatch"], 6) == 62.0
+    assert "layout" not in stats and "combine" not in stats
+    line = eager_rounds.format_stats("ep_plugin", 0, stats, eager_rounds.DISPATCH_ONLY)
+    assert line.endswith("host p50: dispatch   62.0"), line
+
+
+def eager_rounds_worker(rank: int, num_ranks: int, group, explicit: bool, global_defaults: bool,
+                        dispatch_only: bool) -> list:
     from stand_in_native import StandInLowLatencyRuntime, stand_in_kernels
     eager_rounds = _load("probes/eager_rounds")
     with stand_in_kernels(StandInLowLatencyRuntime()):
-        return eager_rounds.probe_rank(rank, num_ranks, group, ["ep_plugin"], 16, 3, 2, explicit, global_defaults)
+        return eager_rounds.probe_rank(rank, num_ranks, group, ["ep_plugin"], 16, 3, 2, explicit, global_defaults,
+                                       dispatch_only)
 
 
-@pytest.mark.parametrize("explicit, global_defaults", [(True, True), (False, False)],
-                         ids=["deepep_style", "plain"])
-def test_eager_rounds_run_on_stand_in_kernels(explicit, global_defaults):
+@pytest.mark.parametrize("explicit, global_defaults, dispatch_only",
+                         [(True, True, False), (False, False, False), (True, True, True)],
+                         ids=["deepep_style", "plain", "dispatch_only"])
+def test_eager_rounds_run_on_stand_in_kernels(explicit, global_defaults, dispatch_only):
     """The probe's rounds run against the current code (stand-in kernels: the numbers mean nothing) and
-    leave torch's global defaults as they found them."""
+    leave torch's global defaults as they found them; dispatch-only rounds report the dispatch alone."""
     pytest.importorskip("ep_plugin._C", reason="the native extension is not built here")
-    lines = parallel_launch(2, eager_rounds_worker, explicit, global_defaults, backend="gloo", timeout_s=120)[0]
+    lines = parallel_launch(2, eager_rounds_worker, explicit, global_defaults, dispatch_only, backend="gloo",
+                            timeout_s=120)[0]
     assert [line.split(":")[0] for line in lines] == ["ep_plugin block 0", "ep_plugin block 1"], lines
-    assert all("round p10" in line and "combine" in line for line in lines), lines
+    assert all("round p10" in line and "dispatch" in line for line in lines), lines
+    assert all(("combine" in line) != dispatch_only for line in lines), lines
     assert torch.get_default_dtype() == torch.float32
 
 

@@ -10,9 +10,11 @@ The libraries take turns, one block of rounds each (`--blocks` pairs): the host'
 between blocks on a shared machine, so compare the two blocks of one pair. Per block and rank: the round's wall
 time (p10, p50, p90, from one round's start to the next) and each call's host time (p50). Where `deep_ep` is not
 importable, ep_plugin runs alone; `--libraries` names them (one alone: each in a launch of its own).
+`--dispatch-only`: a round is one dispatch with notify (the layout made once, each dispatch's outputs dropped),
+as a loop of dispatches alone runs them: the dispatch's latency from call to call, notify's wait included.
 
     python3 benchmarks/probes/eager_rounds.py [--tokens 128] [--rounds 300] [--blocks 3]
-        [--default-configs] [--no-global-defaults] [--libraries ep_plugin,deep_ep]
+        [--default-configs] [--no-global-defaults] [--libraries ep_plugin,deep_ep] [--dispatch-only]
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ep_plugin.launch import parallel_launch, rank_device
 HIDDEN, EXPERTS, TOPK, NUM_SMS = 7168, 256, 8, 24
 WARMUP_ROUNDS = 30
 CALLS = ("layout", "dispatch", "combine")
+DISPATCH_ONLY = ("dispatch",)
 LIBRARIES = ("ep_plugin", "deep_ep")
 
 
@@ -64,27 +67,41 @@ class Step:
             stamps.append((start, laid_out, dispatched, clock()))
         return stamps
 
+    def dispatch_rounds(self, count: int) -> List[Tuple[float, float]]:
+        """`count` dispatches with notify, one per round, on one layout; per round the host clock at its start
+        and after the dispatch (s)."""
+        per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(self.topk_idx, EXPERTS)
+        clock, buffer, stamps = time.perf_counter, self.buffer, []
+        for _ in range(count):
+            start = clock()
+            buffer.dispatch(self.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=self.topk_idx, topk_weights=self.weights,
+                            config=self.dispatch_config)
+            stamps.append((start, clock()))
+        return stamps
 
-def round_stats(stamps: Sequence[Tuple[float, float, float, float]]) -> Dict[str, float]:
-    """Wall time per round (us: p10, p50, p90, from one round's start to the next) and each call's host p50."""
+
+def round_stats(stamps: Sequence[Tuple[float, ...]], calls: Sequence[str] = CALLS) -> Dict[str, float]:
+    """Wall time per round (us: p10, p50, p90, from one round's start to the next) and each call's host p50
+    (`calls`: the calls of a round, in order)."""
     def quantile(values: List[float], q: float) -> float:
         return values[round(q * (len(values) - 1))]
 
     walls = sorted((later[0] - earlier[0]) * 1e6 for earlier, later in zip(stamps, stamps[1:]))
     stats = {"p10": quantile(walls, 0.1), "p50": quantile(walls, 0.5), "p90": quantile(walls, 0.9)}
-    for i, call in enumerate(CALLS):
+    for i, call in enumerate(calls):
         stats[call] = quantile(sorted((s[i + 1] - s[i]) * 1e6 for s in stamps), 0.5)
     return stats
 
 
-def format_stats(name: str, block: int, stats: Dict[str, float]) -> str:
-    calls = " ".join(f"{call} {stats[call]:6.1f}" for call in CALLS)
+def format_stats(name: str, block: int, stats: Dict[str, float], calls: Sequence[str] = CALLS) -> str:
+    host = " ".join(f"{call} {stats[call]:6.1f}" for call in calls)
     return (f"{name:9} block {block}: round p10 {stats['p10']:6.1f} p50 {stats['p50']:6.1f} p90 {stats['p90']:6.1f}"
-            f" us | host p50: {calls}")
+            f" us | host p50: {host}")
 
 
 def probe_rank(rank: int, world_size: int, group, libraries: Sequence[str], tokens: int, rounds: int, blocks: int,
-               explicit: bool, global_defaults: bool) -> List[str]:
+               explicit: bool, global_defaults: bool, dispatch_only: bool = False) -> List[str]:
     device = rank_device(rank)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
@@ -95,16 +112,18 @@ def probe_rank(rank: int, world_size: int, group, libraries: Sequence[str], toke
     if global_defaults:
         torch.set_default_device(device)
         torch.set_default_dtype(torch.bfloat16)
+    calls = DISPATCH_ONLY if dispatch_only else CALLS
     lines = []
     try:
         for block in range(blocks):
             for name, step in steps.items():
-                step.rounds(WARMUP_ROUNDS)
+                run = step.dispatch_rounds if dispatch_only else step.rounds
+                run(WARMUP_ROUNDS)
                 torch.cuda.synchronize()
                 dist.barrier(group=group)
-                stamps = step.rounds(rounds)
+                stamps = run(rounds)
                 torch.cuda.synchronize()
-                lines.append(format_stats(name, block, round_stats(stamps)))
+                lines.append(format_stats(name, block, round_stats(stamps, calls), calls))
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(saved_dtype)
@@ -122,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="no Config on the calls (each library's own defaults)")
     parser.add_argument("--no-global-defaults", action="store_true",
                         help="leave torch's default device and dtype alone")
+    parser.add_argument("--dispatch-only", action="store_true",
+                        help="a round is one dispatch with notify, on one layout")
     parser.add_argument("--libraries", default=None,
                         help="comma list of ep_plugin and deep_ep (default: both where deep_ep is importable)")
     args = parser.parse_args(argv)
@@ -141,10 +162,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     style = ("default Configs" if args.default_configs else "explicit Configs") + (
         "" if args.no_global_defaults else ", global default device and dtype")
-    print(f"eager rounds (layout, dispatch, combine) on 2 ranks, {args.tokens} tokens x {HIDDEN}, top-{TOPK} of "
+    steps = "dispatch" if args.dispatch_only else "layout, dispatch, combine"
+    print(f"eager rounds ({steps}) on 2 ranks, {args.tokens} tokens x {HIDDEN}, top-{TOPK} of "
           f"{EXPERTS} experts, {NUM_SMS} SMs, {style}; {args.blocks} blocks of {args.rounds} rounds", flush=True)
     results = parallel_launch(2, probe_rank, args.libraries, args.tokens, args.rounds, args.blocks,
-                              not args.default_configs, not args.no_global_defaults, timeout_s=300)
+                              not args.default_configs, not args.no_global_defaults, args.dispatch_only,
+                              timeout_s=300)
     for rank, lines in enumerate(results):
         print(f"rank {rank}")
         print("\n".join(f"  {line}" for line in lines), flush=True)
