@@ -47,14 +47,18 @@ def buffer_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+# NOTE: torch's function-mode stack read in place (torch.overrides._get_current_function_mode_stack builds a
+# list), through names bound once: this runs twice in every call under set_default_device.
+_function_mode_depth = torch._C._len_torch_function_stack
+_function_mode_at = torch._C._get_function_stack_at
+
+
 def _only_device_modes() -> bool:
     """Whether every active torch-function mode is a default-device one (DeviceContext)."""
-    # NOTE: read in place (torch.overrides._get_current_function_mode_stack builds a list): this runs in
-    # every call under set_default_device.
-    for depth in range(torch._C._len_torch_function_stack()):
-        if not isinstance(torch._C._get_function_stack_at(depth), DeviceContext):
-            return False
-    return True
+    depth = _function_mode_depth()
+    if depth == 1:  # set_default_device's mode alone (0.3 us against 0.6 through the loop)
+        return isinstance(_function_mode_at(0), DeviceContext)
+    return all(isinstance(_function_mode_at(level), DeviceContext) for level in range(depth))
 
 
 def _without_device_mode(method: Callable) -> Callable:
