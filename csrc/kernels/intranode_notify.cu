@@ -33,6 +33,113 @@ __device__ __forceinline__ void warp_counts_to_offsets(int (&counts)[kNotifyWarp
   base = offset;
 }
 
+constexpr uint32_t kAllLanes = 0xffffffffu;
+
+// Notify found bad input or too many received tokens (num_worst_tokens): records it and prints the reason.
+__device__ void record_notify_error(const NotifyArgs& args, const NotifyBlock* blocks, int over_rank, int over_total,
+                                    int bad_rank, int other_layout_rank) {
+  Header* me = header_of(args.peer_buffers, args.rank);
+  if (over_rank >= 0) {
+    record_error(args.status, &me->error_claim, kErrTooManyRecvTokens, kOpNotify, 0, args.rank, over_rank, -1, -1,
+                 args.num_worst_tokens, over_total);
+    printf("ep_plugin: rank %d receives %d tokens, more than num_worst_tokens = %d\n", over_rank, over_total,
+           args.num_worst_tokens);
+  } else if (bad_rank >= 0) {
+    const NotifyBlock& bad = blocks[bad_rank];
+    record_error(args.status, &me->error_claim, kErrBadExpertId, kOpNotify, 0, args.rank, bad_rank, -1, -1,
+                 bad.bad_input_detail[0], bad.bad_input_detail[2]);
+    printf("ep_plugin: rank %d: topk_idx[%lld, %lld] = %lld is not an expert id in [-1, %d)\n", bad_rank,
+           static_cast<long long>(bad.bad_input_detail[0]), static_cast<long long>(bad.bad_input_detail[1]),
+           static_cast<long long>(bad.bad_input_detail[2]), args.num_experts);
+  } else {
+    const int64_t theirs = blocks[other_layout_rank].row_layout;
+    record_error(args.status, &me->error_claim, kErrLayoutMismatch, kOpNotify, 0, args.rank, other_layout_rank, -1,
+                 -1, args.row_layout, theirs);
+    printf("ep_plugin: rank %d dispatches rows of %d bytes, %d scales, top-%d%s; rank %d rows of %d bytes, %d "
+           "scales, top-%d%s\n", args.rank, row_layout_bytes(args.row_layout), row_layout_scales(args.row_layout),
+           row_layout_topk(args.row_layout), row_layout_weights(args.row_layout) ? " with weights" : "",
+           other_layout_rank, row_layout_bytes(theirs), row_layout_scales(theirs), row_layout_topk(theirs),
+           row_layout_weights(theirs) ? " with weights" : "");
+  }
+}
+
+// The host's view of the count matrix, by warp 0 (lane s: source rank s); the tag goes after.
+__device__ void publish_rank_counts(const NotifyArgs& args, const NotifyBlock* blocks, int lane, int from_source,
+                                    int num_recv, int largest, int bad_rank, int other_layout_rank) {
+  DeviceStatus* status = args.status;
+  if (lane < args.num_ranks) status->num_recv_tokens_per_rank[lane] = from_source;
+  if (lane != 0) return;
+  status->num_recv_tokens = num_recv;
+  status->largest_block_rows = largest;
+  status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
+  if (bad_rank >= 0) {
+    status->bad_input_code = blocks[bad_rank].bad_input_code;
+    for (int i = 0; i < 3; ++i) status->bad_input_detail[i] = blocks[bad_rank].bad_input_detail[i];
+  } else if (other_layout_rank >= 0) {
+    status->bad_input_code = kErrLayoutMismatch;
+    status->bad_input_detail[0] = args.row_layout;
+    status->bad_input_detail[1] = blocks[other_layout_rank].row_layout;
+  }
+}
+
+// Warp 0 after the barrier, every lane's loads at once (lane s: what source rank s sends here; lane r: what
+// every rank sends destination r): the offsets of this rank's received blocks and of its blocks on each
+// destination, the checks of every rank's input, and (host mode) the counts for the host. Sets `failed`
+// where this rank records an error.
+__device__ void read_count_matrix(const NotifyArgs& args, const NotifyBlock* blocks, int lane,
+                                  int (&offset_on_rank)[kMaxNvlPeers], bool& failed) {
+  const int R = args.num_ranks;
+  const bool is_rank = lane < R;
+  const int from_source = is_rank ? blocks[lane].tokens_to_rank[args.rank] : 0;
+  int below = 0, into = 0, largest = 0;  // for destination `lane`: rows from ranks below this one, from all
+#pragma unroll
+  for (int s = 0; s < kMaxNvlPeers; ++s) {
+    if (s < R && is_rank) {
+      const int rows = blocks[s].tokens_to_rank[lane];
+      if (s < args.rank) below += rows;
+      into += rows;
+      largest = max(largest, rows);
+    }
+  }
+  int inclusive = from_source;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int value = __shfl_up_sync(kAllLanes, inclusive, d);
+    if (lane >= d) inclusive += value;
+  }
+  const int num_recv = __shfl_sync(kAllLanes, inclusive, R - 1);
+  for (int d = 16; d > 0; d >>= 1) largest = max(largest, __shfl_xor_sync(kAllLanes, largest, d));
+  const uint32_t bad = __ballot_sync(kAllLanes, is_rank && blocks[lane].bad_input_code != kErrNone);
+  const uint32_t other = __ballot_sync(kAllLanes, is_rank && blocks[lane].row_layout != args.row_layout);
+  const uint32_t over = __ballot_sync(kAllLanes, is_rank && args.num_worst_tokens > 0 && into > args.num_worst_tokens);
+  const int bad_rank = bad ? __ffs(bad) - 1 : -1, other_layout_rank = other ? __ffs(other) - 1 : -1;
+  const int over_rank = over ? __ffs(over) - 1 : -1;
+  const int over_total = __shfl_sync(kAllLanes, into, over ? over_rank : 0);
+  if (is_rank) {
+    args.recv_rank_offsets[lane] = inclusive - from_source;
+    args.src_num_tokens[lane] = blocks[lane].num_tokens;
+    offset_on_rank[lane] = below;
+  }
+  if (lane == 0) args.recv_rank_offsets[R] = num_recv, *args.num_recv_tokens = num_recv;
+  // Host mode reports bad input from the host, after the tag; too many received tokens always here.
+  const bool reported_here = over_rank >= 0 || (args.host_tag == 0 && (bad_rank >= 0 || other_layout_rank >= 0));
+  if (reported_here) {
+    if (lane == 0) record_notify_error(args, blocks, over_rank, over_total, bad_rank, other_layout_rank), failed = true;
+    return;
+  }
+  if (args.host_tag > 0) publish_rank_counts(args, blocks, lane, from_source, num_recv, largest, bad_rank, other_layout_rank);
+}
+
+// Per-expert receive counts, aligned, into the host's status (thread `first` of `stride` threads).
+__device__ void publish_expert_counts(const NotifyArgs& args, const NotifyBlock* blocks, int experts_per_rank,
+                                      int first, int stride) {
+  for (int j = first; j < experts_per_rank; j += stride) {
+    int total = 0;
+    for (int s = 0; s < args.num_ranks; ++s) total += blocks[s].expert_counts[j];
+    const int align = args.expert_alignment;
+    args.status->num_recv_tokens_per_expert[j] = (total + align - 1) / align * align;
+  }
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs args) {
   __shared__ int token_counts[kMaxNvlPeers];
   __shared__ int first_bad_entry;
@@ -42,8 +149,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   __shared__ int running_base[kMaxNvlPeers];
   __shared__ int run_totals[2][kNotifyWarps];  // per warp: own runs that start, that end in its tokens
   __shared__ int run_base[2];
-  __shared__ int bad_rank;
-  __shared__ int other_layout_rank;  // the first rank whose row layout differs from this rank's (-1: none)
   __shared__ bool failed;            // this rank has recorded an error: every thread leaves
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -54,8 +159,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   if (tid == 0) {
     epoch = me->notify_epoch + 1;
     first_bad_entry = INT_MAX;
-    bad_rank = -1;
-    other_layout_rank = -1;
     failed = error_claimed(&me->error_claim);
   }
   if (tid < kMaxNvlPeers) token_counts[tid] = 0, running_base[tid] = 0;
@@ -106,11 +209,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     for (int j = tid; j < experts_per_rank; j += kNotifyThreads)
       block->expert_counts[j] = args.num_tokens_per_expert[r * experts_per_rank + j];
   }
-  // NOTE: every writer fences before the barrier so the signal below publishes all the blocks.
-  __threadfence_system();
   __syncthreads();
 
-  // 3. Barrier: signal every rank, wait for every rank's signal.
+  // 3. Barrier: signal every rank, wait for every rank's signal. NOTE: a signal is a system-scope release
+  // after the block barrier, so it publishes every thread's block writes above, not only its own.
   bool expired = false;
   if (tid < R) {
     st_release_sys(&header_of(args.peer_buffers, tid)->notify_signal[args.rank], epoch);
@@ -123,99 +225,25 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
   }
   if (__syncthreads_or(expired)) return;
 
-  // 4. Offsets from the full count matrix.
+  // 4. From the full count matrix: warp 0 the offsets, the input checks and the host's counts; the other
+  // warps the per-expert receive counts (host mode only: the host builds the Python list).
   const NotifyBlock* blocks = me->notify[parity];
-  if (tid == 0) {
-    int row = 0;
-    for (int s = 0; s < R; ++s) {
-      args.recv_rank_offsets[s] = row;
-      row += blocks[s].tokens_to_rank[args.rank];
-      args.src_num_tokens[s] = blocks[s].num_tokens;
-      if (blocks[s].bad_input_code != kErrNone && bad_rank < 0) bad_rank = s;
-      if (blocks[s].row_layout != args.row_layout && other_layout_rank < 0) other_layout_rank = s;
-    }
-    args.recv_rank_offsets[R] = row;
-    *args.num_recv_tokens = row;
-    for (int r = 0; r < R; ++r) {
-      int offset = 0;
-      for (int s = 0; s < args.rank; ++s) offset += blocks[s].tokens_to_rank[r];
-      offset_on_rank[r] = offset;
-    }
-    if (args.num_worst_tokens > 0) {
-      for (int r = 0; r < R; ++r) {
-        int total = 0;
-        for (int s = 0; s < R; ++s) total += blocks[s].tokens_to_rank[r];
-        if (total > args.num_worst_tokens) {
-          record_error(args.status, &me->error_claim, kErrTooManyRecvTokens, kOpNotify, 0, args.rank, r, -1, -1,
-                       args.num_worst_tokens, total);
-          printf("ep_plugin: rank %d receives %d tokens, more than num_worst_tokens = %d\n", r, total,
-                 args.num_worst_tokens);
-          failed = true;
-          break;
-        }
-      }
-    }
-    if (!failed && bad_rank >= 0 && args.host_tag == 0) {
-      const NotifyBlock& bad = blocks[bad_rank];
-      record_error(args.status, &me->error_claim, kErrBadExpertId, kOpNotify, 0, args.rank, bad_rank, -1, -1,
-                   bad.bad_input_detail[0], bad.bad_input_detail[2]);
-      printf("ep_plugin: rank %d: topk_idx[%lld, %lld] = %lld is not an expert id in [-1, %d)\n", bad_rank,
-             static_cast<long long>(bad.bad_input_detail[0]), static_cast<long long>(bad.bad_input_detail[1]),
-             static_cast<long long>(bad.bad_input_detail[2]), args.num_experts);
-      failed = true;
-    }
-    if (!failed && other_layout_rank >= 0 && args.host_tag == 0) {
-      const int64_t theirs = blocks[other_layout_rank].row_layout;
-      record_error(args.status, &me->error_claim, kErrLayoutMismatch, kOpNotify, 0, args.rank, other_layout_rank, -1,
-                   -1, args.row_layout, theirs);
-      printf("ep_plugin: rank %d dispatches rows of %d bytes, %d scales, top-%d%s; rank %d rows of %d bytes, %d "
-             "scales, top-%d%s\n", args.rank, row_layout_bytes(args.row_layout), row_layout_scales(args.row_layout),
-             row_layout_topk(args.row_layout), row_layout_weights(args.row_layout) ? " with weights" : "",
-             other_layout_rank, row_layout_bytes(theirs), row_layout_scales(theirs), row_layout_topk(theirs),
-             row_layout_weights(theirs) ? " with weights" : "");
-      failed = true;
-    }
-  }
+  if (warp == 0)
+    read_count_matrix(args, blocks, lane, offset_on_rank, failed);
+  else if (args.host_tag > 0)
+    publish_expert_counts(args, blocks, experts_per_rank, tid - 32, kNotifyThreads - 32);
   __syncthreads();
   if (failed) return;
 
-  // 5. Per-expert receive counts, aligned (host mode only: the host builds the Python list).
-  if (args.host_tag > 0) {
-    for (int j = tid; j < experts_per_rank; j += kNotifyThreads) {
-      int total = 0;
-      for (int s = 0; s < R; ++s) total += blocks[s].expert_counts[j];
-      const int align = args.expert_alignment;
-      args.status->num_recv_tokens_per_expert[j] = (total + align - 1) / align * align;
-    }
-    __threadfence_system();  // each writer's counts before the tag below
-  }
-  __syncthreads();
-
-  // 6. Publish to the host before the send_pos scan: the host allocates the outputs and launches the
+  // 5. Publish to the host before the send_pos scan: the host allocates the outputs and launches the
   // dispatch meanwhile (the dispatch runs after this kernel on the stream, so it sees send_pos).
+  // NOTE: one system fence after the block barrier orders every thread's counts before the tag.
   if (tid == 0 && args.host_tag > 0) {
-    args.status->num_recv_tokens = *args.num_recv_tokens;
-    int largest = 0;
-    for (int s = 0; s < R; ++s) {
-      args.status->num_recv_tokens_per_rank[s] = blocks[s].tokens_to_rank[args.rank];
-      for (int d = 0; d < R; ++d) largest = max(largest, blocks[s].tokens_to_rank[d]);
-    }
-    args.status->largest_block_rows = largest;
-    args.status->bad_input_rank = bad_rank >= 0 ? bad_rank : other_layout_rank;
-    if (bad_rank >= 0) {
-      args.status->bad_input_code = blocks[bad_rank].bad_input_code;
-      for (int i = 0; i < 3; ++i) args.status->bad_input_detail[i] = blocks[bad_rank].bad_input_detail[i];
-    } else if (other_layout_rank >= 0) {
-      args.status->bad_input_code = kErrLayoutMismatch;
-      args.status->bad_input_detail[0] = args.row_layout;
-      args.status->bad_input_detail[1] = blocks[other_layout_rank].row_layout;
-    }
     __threadfence_system();
     args.status->notify_tag = args.host_tag;
-    __threadfence_system();
   }
 
-  // 7. send_pos: exclusive scan over tokens, per destination rank, one tile of the block at a time.
+  // 6. send_pos: exclusive scan over tokens, per destination rank, one tile of the block at a time.
   for (int tile = 0; tile < args.num_tokens; tile += kNotifyThreads) {
     const int t = tile + tid;
     const bool valid = t < args.num_tokens;
@@ -270,7 +298,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     args.status->own_runs_tag = args.host_tag;
   }
 
-  // 8. Advance the epoch.
+  // 7. Advance the epoch.
   if (tid == 0) me->notify_epoch = epoch;
 }
 
