@@ -96,6 +96,26 @@ def test_host_parts_combine_pieces_run_on_stand_in_kernels():
     assert all("p50" in line for line in lines) and len(lines) == 8, lines
 
 
+def test_notify_steps_orders_the_stamps_by_epoch_and_times_each_step():
+    notify_steps = _load("probes/notify_steps")
+    steps = len(notify_steps.STEPS)
+
+    def row(epoch, start_ns):  # step k takes k + 1 us
+        stamps = [start_ns]
+        for k in range(steps):
+            stamps.append(stamps[-1] + (k + 1) * 1000)
+        return stamps + [epoch]
+
+    # Epochs 1-3 start 100 us apart; epoch 5 follows no notify of the block; the rest never written.
+    rows = [row(3, 200_000), row(1, 0), row(5, 900_000), row(2, 100_000)]
+    words = [w for r in rows for w in r] + [0] * notify_steps.WORDS * (notify_steps.NOTIFIES - len(rows))
+    ordered = notify_steps.stamp_rows(words)
+    assert [r[-1] for r in ordered] == [1, 2, 3, 5]
+    medians = notify_steps.step_medians_us(ordered)
+    assert [medians[name] for name in notify_steps.STEPS] == [float(k + 1) for k in range(steps)]
+    assert medians["between notify kernels"] == pytest.approx(100 - steps * (steps + 1) / 2)
+
+
 def test_eager_rounds_times_each_round_from_its_start_to_the_next():
     eager_rounds = _load("probes/eager_rounds")
     # Rounds start every 100 us but one, which takes 300; each call's host time grows by 1 us a round.
