@@ -100,14 +100,21 @@ def format_stats(name: str, block: int, stats: Dict[str, float], calls: Sequence
             f" us | host p50: {host}")
 
 
-def probe_rank(rank: int, world_size: int, group, libraries: Sequence[str], tokens: int, rounds: int, blocks: int,
-               explicit: bool, global_defaults: bool, dispatch_only: bool = False) -> List[str]:
+def step_inputs(rank: int, tokens: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's tokens (bf16), top-k expert ids and weights on its GPU, seeded by the rank."""
     device = rank_device(rank)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
     topk_idx = random_routing(tokens, EXPERTS, TOPK, device, generator)
     weights = torch.rand(tokens, TOPK, generator=generator).to(device)
-    steps = {name: Step(importlib.import_module(name), group, x, topk_idx, weights, explicit) for name in libraries}
+    return x, topk_idx, weights
+
+
+def probe_rank(rank: int, world_size: int, group, libraries: Sequence[str], tokens: int, rounds: int, blocks: int,
+               explicit: bool, global_defaults: bool, dispatch_only: bool = False) -> List[str]:
+    device = rank_device(rank)
+    inputs = step_inputs(rank, tokens)
+    steps = {name: Step(importlib.import_module(name), group, *inputs, explicit) for name in libraries}
     saved_dtype = torch.get_default_dtype()
     if global_defaults:
         torch.set_default_device(device)

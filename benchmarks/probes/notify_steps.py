@@ -2,7 +2,7 @@
 
 Thread 0 of the notify kernel stamps %globaltimer after each of its steps in a build with
 notify_steps.patch; the host reads the last 64 notifies' stamps after each block of 64 dispatches.
-The loop is a DeepEP program's: explicit Config, torch's default device and dtype set, the layout made once.
+The loop is eager_rounds.py's `--dispatch-only` rounds: explicit Config, torch's default device and dtype set.
 
   cp -r . /tmp/steps && cd /tmp/steps && git apply benchmarks/probes/notify_steps.patch \\
       && EP_PLUGIN_SKIP_NVSHMEM=1 python3 setup.py build_ext --inplace && cd -
@@ -60,53 +60,35 @@ def rank_main(rank, num_ranks, group, args):
     import torch.distributed as dist
 
     import ep_plugin
-    from ep_plugin.bench import explicit_configs, random_routing
+    from eager_rounds import Step, step_inputs  # this directory is the script's: first on sys.path
     from ep_plugin.launch import rank_device
 
-    hidden, experts, topk, sms = 7168, 256, 8, 24
-    device = rank_device(rank)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    topk_idx = random_routing(args.tokens, experts, topk, device, gen)
-    weights = torch.rand(args.tokens, topk, generator=gen).to(device)
-    ep_plugin.Buffer.set_num_sms(sms)
-    configs = explicit_configs(ep_plugin.Config, argparse.Namespace(num_sms=sms), num_ranks)
-    nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in configs)
-    buffer = ep_plugin.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
-    runtime = buffer._backend._runtime
+    step = Step(ep_plugin, group, *step_inputs(rank, args.tokens), explicit=True)
+    runtime = step.buffer._backend._runtime
     if not hasattr(runtime, "notify_steps"):
-        buffer.destroy()
+        step.buffer.destroy()
         raise SystemExit("this build has no notify step stamps: build a copy with notify_steps.patch (see the docstring)")
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
-
-    def dispatch():
-        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=topk_idx, topk_weights=weights, config=configs[0])
-
     blocks = []
-    torch.set_default_device(device)
+    torch.set_default_device(rank_device(rank))
     torch.set_default_dtype(torch.bfloat16)
     try:
-        for _ in range(50):
-            dispatch()
-        clock = buffer._backend._runtime = LaunchClock(runtime)
+        step.dispatch_rounds(50)
+        clock = step.buffer._backend._runtime = LaunchClock(runtime)
         for _ in range(args.blocks):
             torch.cuda.synchronize()
             dist.barrier(group=group)
             clock.launched.clear()
             clock.seen.clear()
-            start = time.perf_counter()
-            for _ in range(NOTIFIES):
-                dispatch()
-            per_dispatch_us = (time.perf_counter() - start) / NOTIFIES * 1e6
+            stamps = step.dispatch_rounds(NOTIFIES)
+            per_dispatch_us = (stamps[-1][1] - stamps[0][0]) / NOTIFIES * 1e6
             torch.cuda.synchronize()
             seen_us = statistics.median((s - l) * 1e6 for l, s in zip(clock.launched, clock.seen))
             blocks.append((per_dispatch_us, seen_us, step_medians_us(stamp_rows(runtime.notify_steps()))))
     finally:
-        buffer._backend._runtime = runtime
+        step.buffer._backend._runtime = runtime
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
-    buffer.destroy()
+    step.buffer.destroy()
     return blocks
 
 
